@@ -1,0 +1,18 @@
+"""Exceptions that describe a user's mistake (bad config, unsupported model) rather than a bug.
+
+The CLI prints these as one clear message without a traceback; everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class RematError(Exception):
+    """Base class for errors caused by input the user can fix."""
+
+
+class ConfigError(RematError, ValueError):
+    """A recipe or argument is malformed: names the dotted key, what was given and what is allowed."""
+
+
+class CheckpointingError(RematError, ValueError):
+    """Activation checkpointing cannot be applied as asked (no blocks found, unknown policy, ...)."""
