@@ -1,0 +1,5 @@
+"""remat: memory-efficient training of causal language models in PyTorch."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
