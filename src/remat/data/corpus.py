@@ -1,0 +1,36 @@
+"""The builtin corpus: the English help topics that ship with every CPython (`pydoc_data.topics`).
+
+Each topic is one document. Topics are split ~95/5 into "train" and "validation" by a stable hash of the topic key,
+so the split is the same on every machine and every run (the text itself follows the Python version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pydoc_data.topics import topics as _TOPICS
+
+from remat.errors import ConfigError
+
+BUILTIN_SPLITS = ("train", "validation")
+_VALIDATION_PERCENT = 5
+
+
+def _split_of(key: str) -> str:
+    bucket = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") % 100
+    return "validation" if bucket < _VALIDATION_PERCENT else "train"
+
+
+def builtin_documents(split: str = "train", *, key: str = "dataset.split") -> list[str]:
+    """The builtin corpus documents of `split` ("train" or "validation"), in sorted topic-key order."""
+    if split not in BUILTIN_SPLITS:
+        raise ConfigError(f"{key}: the builtin corpus has splits {list(BUILTIN_SPLITS)}; got {split!r}")
+    return [_TOPICS[name] for name in sorted(_TOPICS) if _split_of(name) == split]
+
+
+def builtin_corpus_fingerprint() -> str:
+    """A hex digest of the whole builtin corpus text (changes when the Python version ships other topics)."""
+    digest = hashlib.sha256()
+    for name in sorted(_TOPICS):
+        digest.update(name.encode("utf-8") + b"\0" + _TOPICS[name].encode("utf-8") + b"\0")
+    return digest.hexdigest()

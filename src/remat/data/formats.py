@@ -1,0 +1,218 @@
+"""Row formats: detect which one a dataset uses, and turn rows into token ids with a loss mask.
+
+- `text`: every token is a target.
+- `prompt_completion`: prompt and completion are tokenized separately and joined; only completion tokens are targets.
+- `messages`: the conversation is rendered with the tokenizer's chat template; only the text each assistant turn adds
+  (its content and the template's end-of-turn text) is a target.
+
+Documents then get BOS in front (if the tokenizer has one and it is not already there; never a target) and EOS at the
+end (same rule; it is a target exactly when the token before it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from remat.data.config import DatasetConfig
+from remat.data.sources import RawRow
+from remat.errors import ConfigError
+
+_ENCODE_CHUNK = 1024
+
+
+@dataclass
+class EncodedDocument:
+    """Token ids of one document and, per token, whether it is a loss target."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+
+def format_fields(cfg: DatasetConfig) -> dict[str, tuple[str, ...]]:
+    """The fields each concrete format needs, with the field names configured in `cfg`."""
+    return {
+        "messages": (cfg.messages_field,),
+        "prompt_completion": (cfg.prompt_field, cfg.completion_field),
+        "text": (cfg.text_field,),
+    }
+
+
+def _describe_fields(fields: tuple[str, ...]) -> str:
+    return " and ".join(repr(name) for name in fields)
+
+
+def detect_format(cfg: DatasetConfig, first: RawRow, *, key_prefix: str = "dataset") -> str:
+    """`cfg.format`, or for "auto" the first format (messages, prompt_completion, text) whose fields `first` has."""
+    if cfg.format != "auto":
+        return cfg.format
+    for name, fields in format_fields(cfg).items():
+        if all(field in first.data for field in fields):
+            return name
+    expected = "; ".join(f"{_describe_fields(fields)} for {name}" for name, fields in format_fields(cfg).items())
+    raise ConfigError(
+        f"{key_prefix}.format: cannot detect the format of {first.where} (keys: {sorted(first.data)}); "
+        f"expected {expected}. Set {key_prefix}.format and the {key_prefix}.*_field keys"
+    )
+
+
+def _field(row: RawRow, name: str, fmt: str, cfg: DatasetConfig, key_prefix: str) -> Any:
+    if name not in row.data:
+        needed = _describe_fields(format_fields(cfg)[fmt])
+        raise ConfigError(
+            f"{key_prefix}.path: {row.where} has no field {name!r} (keys: {sorted(row.data)}); "
+            f"format {fmt!r} expects {needed}"
+        )
+    return row.data[name]
+
+
+def _string_field(row: RawRow, name: str, fmt: str, cfg: DatasetConfig, key_prefix: str) -> str:
+    value = _field(row, name, fmt, cfg, key_prefix)
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{key_prefix}.path: {row.where} field {name!r} must be a string for format {fmt!r}, "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def _messages_field(row: RawRow, cfg: DatasetConfig, key_prefix: str) -> list[dict[str, str]]:
+    value = _field(row, cfg.messages_field, "messages", cfg, key_prefix)
+    problem = None
+    if not isinstance(value, list) or not value:
+        problem = f"got {type(value).__name__ if not isinstance(value, list) else 'an empty list'}"
+    else:
+        for index, message in enumerate(value):
+            if not isinstance(message, dict):
+                problem = f"message {index} is a {type(message).__name__}"
+            elif not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                problem = f"message {index} has keys {sorted(message)} (role and content must be strings)"
+            if problem:
+                break
+    if problem:
+        raise ConfigError(
+            f"{key_prefix}.path: {row.where} field {cfg.messages_field!r} must be a non-empty list of "
+            f"{{'role': str, 'content': str}} objects; {problem}"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), _ENCODE_CHUNK):
+        yield items[start : start + _ENCODE_CHUNK]
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    ids: list[list[int]] = []
+    for chunk in _chunks(texts):
+        ids.extend(tokenizer(list(chunk), add_special_tokens=False)["input_ids"])
+    return ids
+
+
+def _encode_with_offsets(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    out: list[tuple[list[int], list[tuple[int, int]]]] = []
+    for chunk in _chunks(texts):
+        encoded = tokenizer(list(chunk), add_special_tokens=False, return_offsets_mapping=True)
+        out.extend(zip(encoded["input_ids"], encoded["offset_mapping"], strict=True))
+    return out
+
+
+def _encode_text(rows: Sequence[RawRow], cfg: DatasetConfig, tok: PreTrainedTokenizerBase, kp: str) -> list[EncodedDocument]:
+    texts = [_string_field(row, cfg.text_field, "text", cfg, kp) for row in rows]
+    return [EncodedDocument(ids, [True] * len(ids)) for ids in _encode(tok, texts)]
+
+
+def _encode_prompt_completion(
+    rows: Sequence[RawRow], cfg: DatasetConfig, tok: PreTrainedTokenizerBase, kp: str
+) -> list[EncodedDocument]:
+    prompts = [_string_field(row, cfg.prompt_field, "prompt_completion", cfg, kp) for row in rows]
+    completions = [_string_field(row, cfg.completion_field, "prompt_completion", cfg, kp) for row in rows]
+    return [
+        EncodedDocument(p + c, [False] * len(p) + [True] * len(c))
+        for p, c in zip(_encode(tok, prompts), _encode(tok, completions), strict=True)
+    ]
+
+
+def _render(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    assert isinstance(rendered, str)
+    return rendered
+
+
+def assistant_spans(
+    tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, where: str = "", key_prefix: str = "dataset"
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span each assistant turn adds to it.
+
+    A turn's span runs from the end of the rendering of the turns before it (with the generation prompt) to the end
+    of the rendering that includes it, so it holds the assistant content and the template's end-of-turn text.
+    """
+    try:
+        full = _render(tok, messages, False)
+        spans: list[tuple[int, int]] = []
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = _render(tok, messages[:index], True)
+            through = _render(tok, messages[: index + 1], False)
+            if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
+                raise ConfigError(
+                    f"{key_prefix}.path: {where}: the tokenizer's chat template does not render this conversation "
+                    "turn by turn (a rendering of the first turns is not a prefix of the whole), so assistant "
+                    "tokens cannot be located; use a template that appends each turn"
+                )
+            spans.append((len(before), len(through)))
+    except ConfigError:
+        raise
+    except Exception as exc:  # jinja raises many kinds of errors, including the template's own raise_exception
+        raise ConfigError(f"{key_prefix}.path: {where}: the chat template failed to render this row: {exc}") from exc
+    return full, spans
+
+
+def _encode_messages(
+    rows: Sequence[RawRow], cfg: DatasetConfig, tok: PreTrainedTokenizerBase, kp: str
+) -> list[EncodedDocument]:
+    if getattr(tok, "chat_template", None) is None:
+        raise ConfigError(
+            f"{kp}.format: 'messages' needs a tokenizer with a chat template; the tokenizer in use has none "
+            "(use the builtin tokenizer or set tokenizer.path to one with a chat template)"
+        )
+    if not tok.is_fast:
+        raise ConfigError(f"{kp}.format: 'messages' needs a fast tokenizer (character offsets); got {type(tok).__name__}")
+    rendered = [assistant_spans(tok, _messages_field(row, cfg, kp), where=row.where, key_prefix=kp) for row in rows]
+    documents = []
+    for (_, spans), (ids, offsets) in zip(rendered, _encode_with_offsets(tok, [text for text, _ in rendered]), strict=True):
+        mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
+        documents.append(EncodedDocument(list(ids), mask))
+    return documents
+
+
+_ENCODERS = {"text": _encode_text, "prompt_completion": _encode_prompt_completion, "messages": _encode_messages}
+
+
+def add_document_specials(document: EncodedDocument, tokenizer: PreTrainedTokenizerBase) -> EncodedDocument:
+    """BOS in front (never a target) and EOS at the end (a target iff the token before it is), unless present."""
+    ids, mask = list(document.input_ids), list(document.loss_mask)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+        mask.insert(0, False)
+    elif ids and ids[0] == bos:
+        mask[0] = False
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+        mask.append(bool(mask) and mask[-1])
+    return EncodedDocument(ids, mask)
+
+
+def encode_rows(
+    rows: Sequence[RawRow], fmt: str, cfg: DatasetConfig, tokenizer: PreTrainedTokenizerBase, *, key_prefix: str = "dataset"
+) -> list[EncodedDocument]:
+    """Tokenize `rows` in format `fmt` (batch-encoded) and frame each document with BOS/EOS."""
+    encoded = _ENCODERS[fmt](rows, cfg, tokenizer, key_prefix)
+    return [add_document_specials(document, tokenizer) for document in encoded]

@@ -1,0 +1,122 @@
+"""Reading raw rows: JSONL files, directories of them, `datasets.save_to_disk` directories, the builtin corpus.
+
+Every row keeps a human-readable location ("data.jsonl line 7", "ds[train] row 3") so that a bad row can be named.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from remat.data.config import DatasetConfig
+from remat.data.corpus import builtin_documents
+from remat.errors import ConfigError
+
+_HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+_JSONL_SUFFIX = ".jsonl"
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """One record from a source, and where it came from (for error messages)."""
+
+    data: Mapping[str, Any]
+    where: str
+
+
+def _is_hf_dataset_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).is_file() for marker in _HF_MARKERS)
+
+
+def _read_jsonl(path: Path, key: str) -> Iterator[RawRow]:
+    with path.open("r", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key}: {where} is not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(data, dict):
+                raise ConfigError(f"{key}: {where} must be a JSON object, got {type(data).__name__}")
+            yield RawRow(data, where)
+
+
+def _read_hf_dataset(path: Path, split: str, split_given: bool, key_prefix: str) -> Iterator[RawRow]:
+    import datasets  # imported here: loading `datasets` costs about a second
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError(
+                f"{key_prefix}.split: {path} has splits {sorted(loaded)}; got {split!r}"
+                + ("" if split_given else f" (the default for {key_prefix}; set {key_prefix}.split)")
+            )
+        table, label = loaded[split], f"{path}[{split}]"
+    else:
+        if split_given:
+            raise ConfigError(
+                f"{key_prefix}.split: {path} is a single Dataset without splits; got split {split!r}, "
+                "remove the key or point at a DatasetDict"
+            )
+        table, label = loaded, str(path)
+    for index, data in enumerate(table):
+        yield RawRow(data, f"{label} row {index}")
+
+
+def _jsonl_files_in(directory: Path, key: str) -> list[Path]:
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix == _JSONL_SUFFIX)
+    if not files:
+        raise ConfigError(
+            f"{key}: directory {directory} has no {_JSONL_SUFFIX} files and is not a datasets.save_to_disk directory"
+        )
+    return files
+
+
+def _rows_of_path(raw: str, cfg: DatasetConfig, split: str, key_prefix: str, key: str) -> Iterator[RawRow]:
+    path = Path(raw).expanduser()
+    allowed = f"a {_JSONL_SUFFIX} file, a directory of them, or a datasets.save_to_disk directory"
+    if not path.exists():
+        raise ConfigError(f"{key}: {raw!r} does not exist; expected {allowed}")
+    if _is_hf_dataset_dir(path):
+        yield from _read_hf_dataset(path, split, cfg.split is not None, key_prefix)
+        return
+    if cfg.split is not None:
+        raise ConfigError(
+            f"{key_prefix}.split: {raw!r} is JSONL, which has no splits; got split {cfg.split!r}, remove the key"
+        )
+    if path.is_dir():
+        for file in _jsonl_files_in(path, key):
+            yield from _read_jsonl(file, key)
+    elif path.suffix == _JSONL_SUFFIX:
+        yield from _read_jsonl(path, key)
+    else:
+        raise ConfigError(f"{key}: {raw!r} is not a {_JSONL_SUFFIX} file; expected {allowed}")
+
+
+def read_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: str = "dataset") -> list[RawRow]:
+    """All rows the config names, in order, cut to `cfg.max_samples`; the builtin corpus yields `{"text": ...}`."""
+    split = cfg.split if cfg.split is not None else default_split
+    paths = cfg.paths
+    if paths is None:
+        documents = builtin_documents(split, key=f"{key_prefix}.split")
+        rows: Iterator[RawRow] = (
+            RawRow({cfg.text_field: text}, f"builtin corpus[{split}] document {index}")
+            for index, text in enumerate(documents)
+        )
+    else:
+        keys = [f"{key_prefix}.path"] if isinstance(cfg.path, str) else [
+            f"{key_prefix}.path[{i}]" for i in range(len(paths))
+        ]
+        rows = itertools.chain.from_iterable(
+            _rows_of_path(raw, cfg, split, key_prefix, key) for raw, key in zip(paths, keys, strict=True)
+        )
+    selected = list(itertools.islice(rows, cfg.max_samples))
+    if not selected:
+        raise ConfigError(f"{key_prefix}.path: {cfg.path!r} holds no rows")
+    return selected

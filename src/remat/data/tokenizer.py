@@ -1,0 +1,164 @@
+"""Tokenizers: from a local path, from the model's directory, or the builtin byte-level BPE (trained once, cached).
+
+The builtin tokenizer is trained with the `tokenizers` library on the train split of the builtin corpus (well under a
+second), saved atomically under `$REMAT_CACHE_DIR/tokenizers/<fingerprint>/` (default `~/.cache/remat`) and loaded
+from there on later builds. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from remat.data.config import TokenizerConfig
+from remat.data.corpus import builtin_corpus_fingerprint, builtin_documents
+from remat.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, *ROLE_TOKENS)
+
+# One turn is `<|role|>\n{content}<|eos|>`; the conversation opens with BOS.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Bump when the way the builtin tokenizer is trained or saved changes, so old caches are not reused.
+_BUILTIN_RECIPE_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def cache_dir() -> Path:
+    """The root of remat's on-disk cache: `$REMAT_CACHE_DIR`, else `~/.cache/remat`."""
+    configured = os.environ.get("REMAT_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "remat"
+
+
+def has_tokenizer_files(directory: str | os.PathLike[str]) -> bool:
+    """Whether `directory` is a local directory holding files a `transformers` tokenizer loads from."""
+    path = Path(directory)
+    return path.is_dir() and any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def builtin_tokenizer_fingerprint(vocab_size: int) -> str:
+    """A short digest of everything the builtin tokenizer depends on (corpus, settings, library version)."""
+    settings = {
+        "recipe": _BUILTIN_RECIPE_VERSION,
+        "vocab_size": vocab_size,
+        "special_tokens": SPECIAL_TOKENS,
+        "chat_template": CHAT_TEMPLATE,
+        "corpus": builtin_corpus_fingerprint(),
+        "tokenizers": tokenizers.__version__,
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def train_byte_level_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with the builtin special tokens on `documents` (every byte stays representable)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    return tokenizer
+
+
+def _wrap_builtin(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=list(ROLE_TOKENS),
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Write into a private temporary directory, then rename it to `target` (a concurrent winner is kept)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tokenizer.save_pretrained(str(staging))
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not has_tokenizer_files(target):
+                raise
+            logger.debug("another process cached the builtin tokenizer at %s first; keeping theirs", target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def builtin_tokenizer(vocab_size: int = 4096) -> PreTrainedTokenizerBase:
+    """The builtin byte-level BPE tokenizer, trained on the first call and loaded from the cache afterwards."""
+    target = cache_dir() / "tokenizers" / builtin_tokenizer_fingerprint(vocab_size)
+    if not (target / "tokenizer.json").is_file():
+        trained = train_byte_level_bpe(builtin_documents("train"), vocab_size)
+        if trained.get_vocab_size() < vocab_size:
+            logger.warning(
+                "tokenizer.vocab_size=%d is more than the builtin corpus supports; the builtin tokenizer has %d entries",
+                vocab_size,
+                trained.get_vocab_size(),
+            )
+        _save_atomically(_wrap_builtin(trained), target)
+        logger.info("trained the builtin tokenizer (%d entries) into %s", trained.get_vocab_size(), target)
+    return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+
+
+def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path") -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local directory (AutoTokenizer) or a `tokenizer.json` file; ConfigError otherwise."""
+    location = Path(path).expanduser()
+    allowed = f"a local directory with tokenizer files ({', '.join(_TOKENIZER_FILES)}) or a tokenizer.json file"
+    if location.is_file():
+        if location.suffix != ".json":
+            raise ConfigError(f"{key}: {path!r} is a file but not a tokenizer .json file; expected {allowed}")
+        try:
+            return PreTrainedTokenizerFast(tokenizer_file=str(location))
+        except Exception as exc:  # the tokenizers library raises its own exception types for malformed files
+            raise ConfigError(f"{key}: cannot load {path!r} as a tokenizer.json file: {exc}") from exc
+    if not location.exists():
+        raise ConfigError(f"{key}: {path!r} does not exist; expected {allowed}")
+    if not has_tokenizer_files(location):
+        raise ConfigError(f"{key}: directory {path!r} holds no tokenizer files; expected {allowed}")
+    try:
+        return AutoTokenizer.from_pretrained(str(location), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
+
+
+def build_tokenizer(cfg: TokenizerConfig, model_path: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer a recipe asks for: `cfg.path`, else the model's local directory if it has one, else builtin."""
+    if cfg.path is not None:
+        logger.info("loading the tokenizer from %s", cfg.path)
+        return load_tokenizer_from_path(cfg.path)
+    if model_path is not None and has_tokenizer_files(Path(model_path).expanduser()):
+        logger.info("loading the tokenizer from the model directory %s", model_path)
+        return load_tokenizer_from_path(model_path, key="model.pretrained_model_name_or_path")
+    if model_path is not None:
+        logger.info("%s has no tokenizer files; using the builtin tokenizer", model_path)
+    return builtin_tokenizer(cfg.vocab_size)
