@@ -1,0 +1,159 @@
+"""The fine-tuning recipe schema: one strict pydantic model per YAML section.
+
+Component sections (``model``, ``tokenizer``, ``dataset``) are owned by their packages; this module composes them and
+adds the sections that only the recipe uses. Every section rejects unknown keys; ``remat.recipes.loader`` turns
+validation errors into messages that name the dotted key, the given value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from remat.config_base import StrictModel
+from remat.data.config import DatasetConfig, TokenizerConfig
+from remat.models.config import ModelConfig
+
+ActivationCheckpointingValue = bool | str | dict[str, Any]
+
+
+class TargetConfig(StrictModel):
+    """A section naming a class or function to build (``_target_``) plus its keyword arguments.
+
+    Keyword arguments are the extra keys of the section; they are checked against the target's signature when the
+    recipe is validated (see ``remat.recipes.targets``), so a typo is caught before anything heavy happens.
+    """
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    target: str = Field(alias="_target_")
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class OptimizerConfig(TargetConfig):
+    """``optimizer``: any ``torch.optim`` optimizer (or an allowed ``_target_``); keys other than ``_target_`` are its
+    keyword arguments."""
+
+    target: str = Field(default="torch.optim.AdamW", alias="_target_")
+
+
+class LossConfig(TargetConfig):
+    """``loss_fn``: ``remat.loss.MaskedCrossEntropy`` (logits) or ``remat.loss.FusedLinearCrossEntropy`` (hidden
+    states + output weight, never materialising the logits; needs ``model.output_hidden_states: true``)."""
+
+    target: str = Field(default="remat.loss.MaskedCrossEntropy", alias="_target_")
+
+
+class StepSchedulerConfig(StrictModel):
+    """``step_scheduler``: batch sizes, how long to train, and how often to validate and checkpoint.
+
+    ``global_batch_size`` = ``local_batch_size`` x data-parallel size x gradient-accumulation steps.
+    """
+
+    global_batch_size: PositiveInt = 8
+    local_batch_size: PositiveInt = 8
+    max_steps: PositiveInt = 100
+    val_every_steps: PositiveInt | None = None
+    val_batches: PositiveInt | None = None
+    ckpt_every_steps: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _batch_sizes_divide(self) -> StepSchedulerConfig:
+        if self.global_batch_size % self.local_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of local_batch_size "
+                f"({self.local_batch_size}) x data-parallel size; gradient accumulation covers the rest"
+            )
+        return self
+
+
+class LRSchedulerConfig(StrictModel):
+    """``lr_scheduler``: linear warmup, then cosine (or linear, or constant) decay to ``min_lr_ratio`` x lr."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    decay_steps: PositiveInt | None = None
+
+
+class ClipGradNormConfig(StrictModel):
+    """``clip_grad_norm``: clip the global gradient norm; ``max_norm: null`` only measures it."""
+
+    max_norm: PositiveFloat | None = 1.0
+
+
+class DistributedConfig(StrictModel):
+    """``distributed``: the parallelism strategy and activation checkpointing (the seed documents' keys)."""
+
+    strategy: Literal["single", "ddp", "fsdp2"] = "single"
+    activation_checkpointing: ActivationCheckpointingValue = False
+    dp_size: PositiveInt | None = None
+    tp_size: PositiveInt = 1
+    cp_size: PositiveInt = 1
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _policy_parses(cls, value: ActivationCheckpointingValue) -> ActivationCheckpointingValue:
+        from remat.checkpointing import parse_policy
+
+        parse_policy(value, key="distributed.activation_checkpointing")
+        return value
+
+
+class CheckpointConfig(StrictModel):
+    """``checkpoint``: where and how training state is saved, and whether a run resumes.
+
+    ``resume``: ``auto`` continues from the latest complete checkpoint in ``checkpoint_dir`` if there is one,
+    ``never`` starts fresh (refusing to overwrite existing checkpoints), or a path to a ``step_N`` directory.
+    """
+
+    enabled: bool = True
+    checkpoint_dir: str | None = None
+    resume: str = "auto"
+    keep_last: PositiveInt | None = 2
+    save_final: bool = True
+
+
+class LoggingConfig(StrictModel):
+    """``logging``: the per-step log line, the metrics file and how memory is measured."""
+
+    log_every_steps: PositiveInt = 1
+    progress: Literal["auto", "rich", "plain"] = "auto"
+    memory: Literal["auto", "cuda", "tracked", "rss"] = "auto"
+    metrics_file: str | None = "metrics.jsonl"
+    tensorboard: bool = False
+
+
+class PeftConfig(StrictModel):
+    """``peft``: LoRA adapters through the ``peft`` library; only the adapters are trained."""
+
+    method: Literal["lora"] = "lora"
+    r: PositiveInt = 8
+    lora_alpha: PositiveFloat = 16.0
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class RecipeConfig(StrictModel):
+    """A whole fine-tuning recipe. Every section but ``model`` has defaults."""
+
+    seed: int = 1234
+    output_dir: str = "outputs/run"
+    allow_custom_targets: bool = False
+    model: ModelConfig
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    validation_dataset: DatasetConfig | None = None
+    step_scheduler: StepSchedulerConfig = Field(default_factory=StepSchedulerConfig)
+    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig.model_validate({"lr": 3e-4}))
+    lr_scheduler: LRSchedulerConfig = Field(default_factory=LRSchedulerConfig)
+    loss_fn: LossConfig = Field(default_factory=LossConfig)
+    clip_grad_norm: ClipGradNormConfig = Field(default_factory=ClipGradNormConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    peft: PeftConfig | None = None

@@ -1,0 +1,310 @@
+"""The fine-tuning recipe: build everything a recipe names, then train with checkpoints that survive interruption.
+
+``FinetuneRecipe(cfg).run()`` is what ``remat finetune recipe.yaml`` does. The loop per optimizer step: draw the
+micro-batches of one global batch, count their label tokens, run forward+backward on each (the loss is normalised by
+the step's total label tokens, so accumulation equals one big batch), clip, step, log one line, and maybe validate
+and save. SIGTERM/SIGINT finish the current step, save a checkpoint and stop cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.data import StatefulBatchIterator, build_dataset, build_tokenizer
+from remat.distributed import DistributedSetup
+from remat.errors import ConfigError
+from remat.memory import StepMemoryMeter
+from remat.models import build_model, count_parameters
+from remat.recipes.checkpoint_io import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from remat.recipes.config import PeftConfig, RecipeConfig
+from remat.recipes.lr_schedule import build_lr_scheduler
+from remat.recipes.model_loss import CausalLMLoss, count_label_tokens
+from remat.recipes.reporting import RunReporter, StepRecord
+from remat.recipes.targets import build_target
+
+StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
+
+MEMORY_SOURCE_NOTES = {
+    "cuda": "peak of the CUDA caching allocator (torch.cuda.max_memory_allocated) during the step",
+    "tracked": "exact peak of live tensor bytes during the step (parameters, gradients, optimizer state, "
+               "activations and temporaries), counted by remat's tensor tracker",
+    "rss": "peak resident set size of the process during the step (includes the Python runtime and libraries)",
+}
+
+
+@dataclass
+class RunResult:
+    """What ``FinetuneRecipe.run`` did: the steps it trained, why it stopped and its last checkpoint."""
+
+    records: list[StepRecord] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    start_step: int = 0
+    final_step: int = 0
+    stopped_early: bool = False
+    last_checkpoint: Path | None = None
+
+
+class FinetuneRecipe:
+    """A fine-tuning run built from a validated ``RecipeConfig``."""
+
+    def __init__(self, cfg: RecipeConfig, *, callbacks: list[StepCallback] | None = None) -> None:
+        self.cfg = cfg
+        self.callbacks: list[StepCallback] = list(callbacks or [])
+        self._stop_reason: str | None = None
+        dist = cfg.distributed
+        self.dist = DistributedSetup.build(
+            strategy=dist.strategy, activation_checkpointing=dist.activation_checkpointing,
+            dp_size=dist.dp_size, tp_size=dist.tp_size, cp_size=dist.cp_size,
+        )
+        self.output_dir = Path(cfg.output_dir)
+        self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
+        sched = cfg.step_scheduler
+        self.grad_accumulation = sched.global_batch_size // (sched.local_batch_size * self.dist.dp_size)
+        if self.grad_accumulation * sched.local_batch_size * self.dist.dp_size != sched.global_batch_size:
+            raise ConfigError(
+                f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
+                f"({sched.local_batch_size}) x dp_size ({self.dist.dp_size}) x an integer number of accumulation steps"
+            )
+
+    # ------------------------------------------------------------------------------------------------ building
+
+    def setup(self) -> None:
+        """Build tokenizer, data, model (+LoRA, checkpointing), optimizer, schedule and loss; resume if asked."""
+        cfg = self.cfg
+        _seed_everything(cfg.seed)
+        self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
+        self.train_data = build_dataset(cfg.dataset, self.tokenizer, default_split="train", key_prefix="dataset")
+        self.val_data = (
+            build_dataset(cfg.validation_dataset, self.tokenizer, default_split="validation",
+                          key_prefix="validation_dataset")
+            if cfg.validation_dataset is not None else None
+        )
+        model = build_model(cfg.model, vocab_size=len(self.tokenizer), device=str(self.dist.device))
+        if cfg.peft is not None:
+            model = _apply_lora(model, cfg.peft)
+        self.model = self.dist.parallelize(model)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_target(cfg.optimizer.target, cfg.optimizer.kwargs, key="optimizer._target_",
+                                      allow_custom=cfg.allow_custom_targets, params=trainable)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.step_scheduler.max_steps)
+        loss_fn = build_target(cfg.loss_fn.target, cfg.loss_fn.kwargs, key="loss_fn._target_",
+                               allow_custom=cfg.allow_custom_targets)
+        self.compute_loss = CausalLMLoss(self.model, loss_fn, use_hidden_states=cfg.model.output_hidden_states)
+        self.batches = StatefulBatchIterator(
+            self.train_data, cfg.step_scheduler.local_batch_size, shuffle=cfg.dataset.shuffle, seed=cfg.seed,
+            rank=self.dist.rank, world_size=self.dist.dp_size,
+        )
+        self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
+        self.step = 0
+        self.resumed_from = self._maybe_resume()
+
+    def _maybe_resume(self) -> Path | None:
+        ckpt = self.cfg.checkpoint
+        if not ckpt.enabled:
+            return None
+        latest = find_latest_checkpoint(self.checkpoint_dir)
+        if ckpt.resume == "never":
+            if latest is not None:
+                raise ConfigError(
+                    f"checkpoint.resume: 'never' but {self.checkpoint_dir} already holds checkpoints (latest: "
+                    f"{latest.name}); refusing to overwrite them. Use checkpoint.resume: auto to continue, or another "
+                    "checkpoint.checkpoint_dir / output_dir to start over"
+                )
+            return None
+        path = latest if ckpt.resume == "auto" else Path(ckpt.resume)
+        if path is None:
+            return None
+        if not path.is_dir():
+            raise ConfigError(f"checkpoint.resume: {ckpt.resume!r} is not a checkpoint directory; "
+                              "allowed: auto, never, or the path of a step_N checkpoint")
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+        self.step = int(state["step"])
+        self.batches.load_state_dict(state["data"])
+        return path
+
+    # ------------------------------------------------------------------------------------------------ training
+
+    def run(self) -> RunResult:
+        """Set up (if not done) and train until ``max_steps`` or a stop request; returns what happened."""
+        if not hasattr(self, "model"):
+            self.setup()
+        cfg = self.cfg
+        max_steps = cfg.step_scheduler.max_steps
+        result = RunResult(start_step=self.step, final_step=self.step)
+        reporter = RunReporter(cfg.logging, self.output_dir, total_steps=max_steps, start_step=self.step,
+                               enabled=self.dist.is_main_process)
+        with reporter, _stop_on_signals(self.request_stop):
+            self._report_setup(reporter)
+            if self.step >= max_steps:
+                reporter.info(f"nothing to do: {self.resumed_from} is already at step {self.step} >= max_steps "
+                              f"{max_steps}; raise step_scheduler.max_steps or use a new output_dir to train more")
+                return result
+            self.model.train()
+            while self.step < max_steps and self._stop_reason is None:
+                record = self._train_step()
+                result.records.append(record)
+                reporter.step(record)
+                for callback in self.callbacks:
+                    callback(self, record)
+                sched = cfg.step_scheduler
+                if self.val_data is not None and sched.val_every_steps and self.step % sched.val_every_steps == 0:
+                    val_loss, val_tokens = self.validate()
+                    result.validation.append((self.step, val_loss))
+                    reporter.validation(self.step, val_loss, val_tokens)
+                if sched.ckpt_every_steps and self.step % sched.ckpt_every_steps == 0 and self.step < max_steps:
+                    result.last_checkpoint = self._save(reporter)
+            result.final_step = self.step
+            result.stopped_early = self._stop_reason is not None and self.step < max_steps
+            if result.stopped_early:
+                reporter.info(f"stopping at step {self.step}: {self._stop_reason}")
+            if cfg.checkpoint.enabled and (cfg.checkpoint.save_final or result.stopped_early):
+                if result.last_checkpoint is None or not result.last_checkpoint.name.endswith(f"_{self.step}"):
+                    result.last_checkpoint = self._save(reporter)
+        return result
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Finish the current step, save a checkpoint and return from ``run`` (used by signal handlers)."""
+        self._stop_reason = reason
+
+    def _train_step(self) -> StepRecord:
+        start = time.perf_counter()
+        micro_batches = [self._to_device(next(self.batches)) for _ in range(self.grad_accumulation)]
+        label_tokens = sum(count_label_tokens(b["labels"]) for b in micro_batches)
+        total_loss = torch.zeros((), dtype=torch.float32)
+        with self.memory_meter.step():
+            for batch in micro_batches:
+                with self._autocast():
+                    loss = self.compute_loss(batch, num_label_tokens=max(label_tokens, 1))
+                loss.backward()
+                total_loss += loss.detach().float().cpu()
+            grad_norm = self._clip_gradients()
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dist.dp_size
+        reading = self.memory_meter.last
+        return StepRecord(
+            step=self.step, epoch=self.batches.epoch, loss=float(total_loss), grad_norm=grad_norm,
+            lr=lr, mem_bytes=reading.peak_bytes, mem_source=reading.source, tps=tokens / elapsed,
+            num_label_tokens=label_tokens, step_time_s=elapsed,
+        )
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.clip_grad_norm.max_norm
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+        return float(norm)
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, int]:
+        """Mean loss per label token over the validation set (capped at ``step_scheduler.val_batches``)."""
+        assert self.val_data is not None
+        self.model.eval()
+        loader = torch.utils.data.DataLoader(self.val_data, batch_size=self.cfg.step_scheduler.local_batch_size)
+        total, tokens = 0.0, 0
+        for i, batch in enumerate(loader):
+            if self.cfg.step_scheduler.val_batches is not None and i >= self.cfg.step_scheduler.val_batches:
+                break
+            batch = self._to_device(batch)
+            with self._autocast():
+                # num_label_tokens=1 turns the mean into a sum, so batches of different sizes weigh correctly.
+                total += float(self.compute_loss(batch, num_label_tokens=1))
+            tokens += count_label_tokens(batch["labels"])
+        self.model.train()
+        return total / max(tokens, 1), tokens
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _save(self, reporter: RunReporter) -> Path:
+        train_state = {"step": self.step, "epoch": self.batches.epoch, "data": self.batches.state_dict(),
+                       "config": self.cfg.model_dump(mode="json", by_alias=True)}
+        path = save_checkpoint(self.checkpoint_dir, self.step, model=self.model, optimizer=self.optimizer,
+                               lr_scheduler=self.lr_scheduler, train_state=train_state, tokenizer=self.tokenizer,
+                               keep_last=self.cfg.checkpoint.keep_last)
+        reporter.info(f"saved checkpoint {path}")
+        return path
+
+    def _report_setup(self, reporter: RunReporter) -> None:
+        total, trainable = count_parameters(self.model), sum(
+            p.numel() for p in self.model.parameters() if p.requires_grad)
+        cfg = self.cfg
+        reporter.info(f"model: {type(self.model).__name__}, {total / 1e6:.2f}M parameters "
+                      f"({trainable / 1e6:.2f}M trainable), dtype {cfg.model.dtype}"
+                      + (f", autocast {cfg.model.autocast}" if cfg.model.autocast else ""))
+        reporter.info(f"data: {len(self.train_data)} rows of {cfg.dataset.seq_length} tokens; global batch "
+                      f"{cfg.step_scheduler.global_batch_size} = local {cfg.step_scheduler.local_batch_size} x dp "
+                      f"{self.dist.dp_size} x accumulation {self.grad_accumulation}")
+        plan = self.dist.plan
+        reporter.info("activation checkpointing: " + (plan.summary() if plan is not None else "off"))
+        if plan is not None and len(plan):
+            reporter.info(plan.table())
+        reporter.info(f"mem: {MEMORY_SOURCE_NOTES[self.memory_meter.source]}")
+        if self.resumed_from is not None:
+            reporter.info(f"resumed from {self.resumed_from} at step {self.step}")
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        dtype = self.cfg.model.autocast
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.dist.device.type, dtype=getattr(torch, dtype))
+
+
+def _apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as err:
+        raise ConfigError(f"peft: cannot apply LoRA to {type(model).__name__}: {err}") from err
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(request_stop: Callable[[str], None]) -> Iterator[None]:
+    """On the first SIGTERM/SIGINT ask the loop to stop after the current step; a second SIGINT interrupts at once."""
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        request_stop(f"received {name}")
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not in the main thread: leave signals alone
+        previous.clear()
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

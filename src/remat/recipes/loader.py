@@ -1,0 +1,200 @@
+"""Load a recipe: YAML file + command-line overrides -> a validated ``RecipeConfig``, or one clear ``ConfigError``.
+
+Overrides use dotted keys: ``--step_scheduler.max_steps 10`` or ``--distributed.activation_checkpointing=selective``.
+Values are parsed as YAML scalars/flow collections, so ``true``, ``3e-4``, ``[1, 2]`` and ``{mode: full}`` work.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from remat.errors import ConfigError, RematError
+from remat.recipes.config import RecipeConfig, TargetConfig
+from remat.recipes.targets import check_kwargs, resolve_target
+
+# Arguments remat passes itself when it builds these targets.
+PROVIDED_ARGS: dict[str, tuple[str, ...]] = {"optimizer": ("params",), "loss_fn": ()}
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """Turn ``["--a.b", "1", "--c=x"]`` into ``[("a.b", 1), ("c", "x")]``."""
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"override {arg!r}: expected --dotted.key VALUE or --dotted.key=VALUE")
+        body = arg[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
+                raise ConfigError(f"override --{body}: missing value (use --{body} VALUE or --{body}=VALUE)")
+            key, raw = body, args[i + 1]
+            i += 2
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {arg!r}: malformed key {key!r}")
+        pairs.append((key, _parse_value(raw)))
+    return pairs
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """Set each dotted key in a copy of ``data``, creating intermediate mappings as needed."""
+    result: dict[str, Any] = _deep_copy(data)
+    for key, value in overrides:
+        node = result
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override --{key}: {prefix!r} is {child!r}, not a section with keys")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a recipe file; errors name the file and, for syntax errors, the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {str(path)!r} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {err}") from err
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {str(path)!r}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
+    """Validate a recipe mapping; every problem is reported with its dotted key."""
+    try:
+        cfg = RecipeConfig.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, RecipeConfig)) from None
+    _check_targets(cfg)
+    _check_cross_section(cfg)
+    return cfg
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
+    """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate."""
+    data = read_yaml(path)
+    pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
+    return validate_recipe(apply_overrides(data, pairs))  # type: ignore[arg-type]
+
+
+def _check_targets(cfg: RecipeConfig) -> None:
+    for section in ("optimizer", "loss_fn"):
+        target_cfg: TargetConfig = getattr(cfg, section)
+        fn = resolve_target(target_cfg.target, key=f"{section}._target_", allow_custom=cfg.allow_custom_targets)
+        check_kwargs(fn, target_cfg.kwargs, key=f"{section}._target_", provided=PROVIDED_ARGS[section])
+
+
+def _check_cross_section(cfg: RecipeConfig) -> None:
+    fused = cfg.loss_fn.target.rsplit(".", 1)[-1] == "FusedLinearCrossEntropy"
+    if fused and not cfg.model.output_hidden_states:
+        raise ConfigError(
+            "loss_fn: FusedLinearCrossEntropy computes the loss from the last hidden states and the output weight; "
+            "set 'model.output_hidden_states: true' so the model returns hidden states instead of logits"
+        )
+    if cfg.distributed.strategy == "single" and cfg.distributed.dp_size not in (None, 1):
+        raise ConfigError(
+            f"distributed.dp_size: {cfg.distributed.dp_size} needs strategy 'ddp' or 'fsdp2' "
+            "(strategy 'single' runs one process)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation error formatting
+
+
+def format_validation_error(err: ValidationError, root: type[BaseModel]) -> str:
+    """One line per problem: ``dotted.key: what is wrong (got X); allowed: ...; did you mean ...?``."""
+    lines = []
+    seen: set[str] = set()
+    for item in err.errors():
+        loc = [str(p) for p in item["loc"] if not _is_union_tag(p)]
+        key = ".".join(loc) or "<recipe>"
+        line = _describe(item, loc, key, root)
+        if line not in seen:
+            seen.add(line)
+            lines.append(line)
+    return "invalid recipe:\n  " + "\n  ".join(lines)
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic adds the union member's type name (e.g. 'bool', 'str', 'dict[str,any]') to the location.
+    return isinstance(part, str) and (part in {"bool", "str", "int", "float", "list", "dict"} or "[" in part
+                                      or part.startswith(("literal[", "function-")))
+
+
+def _describe(item: Mapping[str, Any], loc: list[str], key: str, root: type[BaseModel]) -> str:
+    kind = item["type"]
+    given = item.get("input")
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(root, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
+        hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])!r}?" if close else ""
+        return f"{key}: unknown key{hint} Allowed keys here: {', '.join(allowed)}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    if kind == "literal_error":
+        expected = item.get("ctx", {}).get("expected", "")
+        return f"{key}: got {given!r}; allowed: {expected}"
+    msg = item["msg"]
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    if isinstance(item.get("ctx", {}).get("error"), RematError):
+        return str(item["ctx"]["error"])
+    return f"{key}: {msg} (got {given!r})" if not isinstance(given, dict) else f"{key}: {msg}"
+
+
+def _allowed_keys(root: type[BaseModel], loc: list[str]) -> list[str]:
+    model: Any = root
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        model = _model_of(fields[part].annotation)
+    fields = getattr(model, "model_fields", {})
+    return [(f.alias or name) for name, f in fields.items()]
+
+
+def _model_of(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) is not None or getattr(annotation, "__args__", None):
+        for arg in get_args(annotation):
+            found = _model_of(arg)
+            if found is not None:
+                return found
+    return None
