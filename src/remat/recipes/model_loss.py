@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.data import IGNORE_INDEX
 from remat.errors import ConfigError
 
-IGNORE_INDEX = -100
 MODEL_INPUTS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
 
 

@@ -1,0 +1,132 @@
+"""Malformed recipes are rejected before anything is built, with a message naming the key, the value and what is
+allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from remat.errors import ConfigError
+from remat.recipes.loader import load_recipe, validate_recipe
+
+BASE: dict[str, Any] = {
+    "model": {"preset": "tiny-llama"},
+    "dataset": {"seq_length": 64},
+    "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2, "max_steps": 3},
+}
+
+
+def with_(path: str, value: Any) -> dict[str, Any]:
+    """BASE with one dotted key set (or deleted when value is DELETE)."""
+    import copy
+
+    data = copy.deepcopy(BASE)
+    node = data
+    parts = path.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    if value is DELETE:
+        node.pop(parts[-1])
+    else:
+        node[parts[-1]] = value
+    return data
+
+
+DELETE = object()
+
+CASES = [
+    # (id, recipe, fragments the message must contain)
+    ("typo-top-level", with_("stepscheduler", {"max_steps": 3}),
+     ["stepscheduler: unknown key", "did you mean 'step_scheduler'"]),
+    ("typo-nested", with_("step_scheduler.max_step", 3),
+     ["step_scheduler.max_step: unknown key", "did you mean 'step_scheduler.max_steps'"]),
+    ("wrong-type", with_("step_scheduler.max_steps", "ten"), ["step_scheduler.max_steps", "'ten'", "integer"]),
+    ("non-positive", with_("step_scheduler.max_steps", 0), ["step_scheduler.max_steps", "greater than 0"]),
+    ("batch-not-multiple", with_("step_scheduler.global_batch_size", 5),
+     ["step_scheduler", "global_batch_size (5) must be a multiple of local_batch_size (2)"]),
+    ("bad-decay", with_("lr_scheduler.decay", "exp"), ["lr_scheduler.decay", "'exp'", "'cosine', 'linear' or 'constant'"]),
+    ("min-lr-ratio", with_("lr_scheduler.min_lr_ratio", 2), ["lr_scheduler.min_lr_ratio", "less than or equal to 1"]),
+    ("bad-strategy", with_("distributed.strategy", "zero3"), ["distributed.strategy", "'zero3'", "'single', 'ddp' or 'fsdp2'"]),
+    ("bad-policy", with_("distributed.activation_checkpointing", "sometimes"),
+     ["distributed.activation_checkpointing", "sometimes", "selective"]),
+    ("bad-policy-key", with_("distributed.activation_checkpointing", {"mode": "full", "every_n": 2}),
+     ["distributed.activation_checkpointing", "every_n", "every_n_layers"]),
+    ("target-not-allowed", with_("optimizer._target_", "os.system"),
+     ["optimizer._target_", "'os.system' is outside the allowed modules", "allow_custom_targets"]),
+    ("target-typo", with_("optimizer._target_", "torch.optim.AdamWW"),
+     ["optimizer._target_", "has no attribute 'AdamWW'", "torch.optim.AdamW"]),
+    ("optimizer-kwarg-typo", with_("optimizer.learning_rate", 1e-3),
+     ["optimizer.learning_rate: unknown argument", "did you mean 'lr'"]),
+    ("optimizer-params", with_("optimizer.params", [1]), ["optimizer.params: set by remat itself"]),
+    ("loss-kwarg-typo", with_("loss_fn.ignore_idx", -1), ["loss_fn.ignore_idx: unknown argument", "ignore_index"]),
+    ("fused-without-hidden-states", with_("loss_fn._target_", "remat.loss.FusedLinearCrossEntropy"),
+     ["loss_fn: FusedLinearCrossEntropy", "model.output_hidden_states: true"]),
+    ("model-missing", with_("model", DELETE), ["model: required key is missing"]),
+    ("model-no-source", with_("model", {"dtype": "float32"}), ["model"]),
+    ("model-dtype", with_("model.dtype", "float8"), ["model.dtype", "'float8'", "'float32', 'bfloat16' or 'float16'"]),
+    ("model-unknown-key", with_("model.presets", "tiny-llama"), ["model.presets: unknown key", "did you mean 'model.preset'"]),
+    ("seq-length", with_("dataset.seq_length", 1), ["dataset.seq_length", "greater than or equal to 2"]),
+    ("dataset-format", with_("dataset.format", "csv"), ["dataset.format", "'csv'", "'prompt_completion'"]),
+    ("val-dataset-typo", with_("validation_dataset", {"splt": "validation"}),
+     ["validation_dataset.splt: unknown key", "did you mean 'validation_dataset.split'"]),
+    ("peft-rank", with_("peft", {"r": 0}), ["peft.r", "greater than 0"]),
+    ("peft-method", with_("peft", {"method": "qlora"}), ["peft.method", "'qlora'", "'lora'"]),
+    ("keep-last", with_("checkpoint.keep_last", -1), ["checkpoint.keep_last", "greater than 0"]),
+    ("logging-memory", with_("logging.memory", "gpu"), ["logging.memory", "'gpu'", "'tracked'"]),
+    ("tokenizer-vocab", with_("tokenizer.vocab_size", 10), ["tokenizer.vocab_size", "between 512 and 65536"]),
+    ("seed-type", with_("seed", "abc"), ["seed", "'abc'"]),
+    ("dp-size-single", with_("distributed.dp_size", 2), ["distributed.dp_size: 2 needs strategy 'ddp' or 'fsdp2'"]),
+    ("section-not-mapping", with_("step_scheduler", 5), ["step_scheduler", "5"]),
+]
+
+
+@pytest.mark.parametrize(("recipe", "fragments"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_malformed_recipe_is_explained(recipe: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(recipe)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+
+
+def test_base_recipe_is_valid() -> None:
+    cfg = validate_recipe(BASE)
+    assert cfg.step_scheduler.max_steps == 3
+    assert cfg.optimizer.target == "torch.optim.AdamW"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="recipe .*nope.yaml' not found"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  preset: tiny-llama\n step_scheduler: [\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML.*line 3"):
+        load_recipe(path)
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- dataset\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping of sections, got list"):
+        load_recipe(path)
+
+
+def test_every_error_is_reported_at_once() -> None:
+    recipe = with_("step_scheduler.max_steps", 0)
+    recipe["lr_scheduler"] = {"decay": "exp"}
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(recipe)
+    assert "step_scheduler.max_steps" in str(info.value) and "lr_scheduler.decay" in str(info.value)
+
+
+def test_custom_target_needs_opt_in() -> None:
+    recipe = with_("optimizer._target_", "collections.OrderedDict")
+    with pytest.raises(ConfigError, match="outside the allowed modules"):
+        validate_recipe(recipe)
+    recipe["allow_custom_targets"] = True
+    assert validate_recipe(recipe).optimizer.target == "collections.OrderedDict"

@@ -1,0 +1,75 @@
+"""The command line as a user meets it: help, clear errors without tracebacks, and a real (short) run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remat.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_finetune_help_lists_every_recipe_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["finetune", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for key in ("step_scheduler.max_steps", "distributed.activation_checkpointing", "loss_fn._target_",
+                "model.output_hidden_states", "dataset.seq_length", "checkpoint.resume", "peft.r",
+                "validation_dataset.split", "logging.memory"):
+        assert key in out, key
+
+
+def test_config_error_is_one_message_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  preset: tiny-llama\nstep_scheduler:\n  max_step: 3\n")
+    assert main(["finetune", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid recipe:")
+    assert "step_scheduler.max_step: unknown key; did you mean 'step_scheduler.max_steps'" in err
+    assert "Traceback" not in err
+
+
+def test_print_config_fills_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["finetune", str(ROOT / "examples" / "quickstart.yaml"), "--print-config",
+                 "--step_scheduler.max_steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps: 5" in out and "_target_: torch.optim.AdamW" in out
+
+
+def test_every_example_recipe_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        assert main(["finetune", str(path), "--print-config"]) == 0, path
+
+
+@pytest.mark.slow
+def test_quickstart_runs_from_the_command_line(tmp_path: Path) -> None:
+    env = {**os.environ, "REMAT_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "remat.cli", "finetune", str(ROOT / "examples" / "quickstart.yaml"),
+         "--step_scheduler.max_steps", "2", "--step_scheduler.val_every_steps", "2",
+         "--output_dir", str(tmp_path / "out"), "--tokenizer.vocab_size", "512"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^step 2 \| epoch 0 \| loss [\d.]+ \| grad_norm [\d.]+ \| lr [\d.e+-]+ \| mem [\d.]+ GiB \| "
+                     r"tps \d+ \| num_label_tokens \d+$", proc.stdout, re.M), proc.stdout
+    assert (tmp_path / "out" / "checkpoints" / "step_2" / "model" / "config.json").is_file()
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_the_second() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2
+    assert "remat finetune examples/quickstart.yaml" in commands[0]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
