@@ -1,7 +1,8 @@
 """The builtin corpus: the English help topics that ship with every CPython (`pydoc_data.topics`).
 
-Each topic is one document. Topics are split ~95/5 into "train" and "validation" by a stable hash of the topic key,
-so the split is the same on every machine and every run (the text itself follows the Python version).
+Each topic is one document (topics that share their text, such as "if" and "else", count once, under the first key
+in sorted order). Documents are split ~95/5 into "train" and "validation" by a stable hash of that topic key, so the
+split is the same on every machine and every run (the text itself follows the Python version).
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ def builtin_documents(split: str = "train", *, key: str = "dataset.split") -> li
     """The builtin corpus documents of `split` ("train" or "validation"), in sorted topic-key order."""
     if split not in BUILTIN_SPLITS:
         raise ConfigError(f"{key}: the builtin corpus has splits {list(BUILTIN_SPLITS)}; got {split!r}")
-    return [_TOPICS[name] for name in sorted(_TOPICS) if _split_of(name) == split]
+    return [text for name, text in _unique_topics() if _split_of(name) == split]
+
+
+def _unique_topics() -> list[tuple[str, str]]:
+    seen: set[str] = set()
+    unique = []
+    for name in sorted(_TOPICS):
+        if _TOPICS[name] not in seen:
+            seen.add(_TOPICS[name])
+            unique.append((name, _TOPICS[name]))
+    return unique
 
 
 def builtin_corpus_fingerprint() -> str:

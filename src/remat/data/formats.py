@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from remat.data.config import DatasetConfig
 from remat.data.sources import RawRow
@@ -138,12 +139,6 @@ def _encode_prompt_completion(
     ]
 
 
-def _render(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    assert isinstance(rendered, str)
-    return rendered
-
-
 def assistant_spans(
     tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, where: str = "", key_prefix: str = "dataset"
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -151,26 +146,33 @@ def assistant_spans(
 
     A turn's span runs from the end of the rendering of the turns before it (with the generation prompt) to the end
     of the rendering that includes it, so it holds the assistant content and the template's end-of-turn text.
+    Renders go through transformers' own jinja renderer, which (unlike `apply_chat_template`) accepts the empty
+    conversation that precedes a leading assistant turn.
     """
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    conversations = [messages] + [messages[:i] for i in turns] + [messages[: i + 1] for i in turns]
+    generation_prompt = [False] + [True] * len(turns) + [False] * len(turns)
     try:
-        full = _render(tok, messages, False)
-        spans: list[tuple[int, int]] = []
-        for index, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = _render(tok, messages[:index], True)
-            through = _render(tok, messages[: index + 1], False)
-            if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
-                raise ConfigError(
-                    f"{key_prefix}.path: {where}: the tokenizer's chat template does not render this conversation "
-                    "turn by turn (a rendering of the first turns is not a prefix of the whole), so assistant "
-                    "tokens cannot be located; use a template that appends each turn"
-                )
-            spans.append((len(before), len(through)))
-    except ConfigError:
-        raise
+        template = tok.get_chat_template()
+        rendered = [
+            render_jinja_template(
+                conversations=[conversation], chat_template=template, add_generation_prompt=prompt,
+                **tok.special_tokens_map,
+            )[0][0]
+            for conversation, prompt in zip(conversations, generation_prompt, strict=True)
+        ]
     except Exception as exc:  # jinja raises many kinds of errors, including the template's own raise_exception
         raise ConfigError(f"{key_prefix}.path: {where}: the chat template failed to render this row: {exc}") from exc
+    full, befores, throughs = rendered[0], rendered[1 : 1 + len(turns)], rendered[1 + len(turns) :]
+    spans: list[tuple[int, int]] = []
+    for before, through in zip(befores, throughs, strict=True):
+        if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
+            raise ConfigError(
+                f"{key_prefix}.path: {where}: the tokenizer's chat template does not render this conversation "
+                "turn by turn (a rendering of the first turns is not a prefix of the whole), so assistant "
+                "tokens cannot be located; use a template that appends each turn"
+            )
+        spans.append((len(before), len(through)))
     return full, spans
 
 

@@ -1,0 +1,94 @@
+"""Tokenizers: the builtin byte-level BPE and its cache, loading from paths, the model-directory default."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from remat.data import TokenizerConfig, build_tokenizer
+from remat.data import tokenizer as tokenizer_module
+from remat.data.tokenizer import builtin_tokenizer_fingerprint
+from remat.errors import ConfigError
+
+
+def test_builtin_has_special_tokens_and_a_chat_template(builtin_tok) -> None:
+    assert len(builtin_tok) == 4096
+    assert builtin_tok.convert_ids_to_tokens([builtin_tok.bos_token_id, builtin_tok.eos_token_id, builtin_tok.pad_token_id]) == [
+        "<|bos|>",
+        "<|eos|>",
+        "<|pad|>",
+    ]
+    rendered = builtin_tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tokenize=False, add_generation_prompt=False
+    )
+    assert rendered == "<|bos|><|user|>\nHi<|eos|><|assistant|>\nHello<|eos|>"
+    assert builtin_tok.convert_tokens_to_ids("<|assistant|>") == 5
+
+
+def test_builtin_round_trips_any_text(builtin_tok) -> None:
+    text = "The assert statement: naïve café, 東京, 🙂\n\ttabs"
+    ids = builtin_tok(text, add_special_tokens=False)["input_ids"]
+    assert builtin_tok.decode(ids) == text
+    assert builtin_tok.unk_token_id is None  # byte-level: nothing is unknown
+    # Trained on real English text, so common words are single tokens.
+    assert len(builtin_tok(" statement", add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_cache_is_reused_without_retraining(_isolated_cache, monkeypatch) -> None:
+    calls = []
+    real_train = tokenizer_module.train_byte_level_bpe
+    monkeypatch.setattr(tokenizer_module, "train_byte_level_bpe", lambda *a, **k: calls.append(a) or real_train(*a, **k))
+    first = build_tokenizer(TokenizerConfig(vocab_size=600))
+    second = build_tokenizer(TokenizerConfig(vocab_size=600))
+    assert len(calls) == 1
+    assert second("print('x')")["input_ids"] == first("print('x')")["input_ids"]
+    entries = sorted(p.name for p in (_isolated_cache / "tokenizers").iterdir())
+    assert entries == [builtin_tokenizer_fingerprint(600)]  # no temporary directory left behind
+    build_tokenizer(TokenizerConfig(vocab_size=700))
+    assert len(calls) == 2  # other settings, other cache entry
+
+
+def test_concurrent_writer_keeps_the_first_result(_isolated_cache) -> None:
+    tok = build_tokenizer(TokenizerConfig(vocab_size=600))
+    target = _isolated_cache / "tokenizers" / builtin_tokenizer_fingerprint(600)
+    tokenizer_module._save_atomically(tok, target)  # a second writer losing the race must not fail
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+def test_vocab_larger_than_the_corpus_supports_is_reported(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="remat.data.tokenizer"):
+        tok = build_tokenizer(TokenizerConfig(vocab_size=65536))
+    assert len(tok) < 65536
+    assert f"the builtin tokenizer has {len(tok)} entries" in caplog.text
+
+
+def test_load_from_directory_file_and_model_directory(word_tok, tmp_path) -> None:
+    word_tok.save_pretrained(str(tmp_path / "tok"))
+    expected = word_tok("a b z")["input_ids"]
+    from_dir = build_tokenizer(TokenizerConfig(path=str(tmp_path / "tok")))
+    from_file = build_tokenizer(TokenizerConfig(path=str(tmp_path / "tok" / "tokenizer.json")))
+    from_model = build_tokenizer(TokenizerConfig(), model_path=str(tmp_path / "tok"))
+    assert from_dir("a b z")["input_ids"] == from_file("a b z")["input_ids"] == from_model("a b z")["input_ids"] == expected
+    assert from_dir.eos_token == from_model.eos_token == "<eos>"
+
+
+def test_model_directory_without_tokenizer_falls_back_to_builtin(tmp_path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    tok = build_tokenizer(TokenizerConfig(vocab_size=600), model_path=str(tmp_path / "model"))
+    assert len(tok) == 600 and tok.bos_token == "<|bos|>"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "missing", r"^tokenizer\.path: '.*missing' does not exist; expected a local directory"),
+        (lambda p: p, r"^tokenizer\.path: directory '.*' holds no tokenizer files"),
+        (lambda p: (p / "vocab.txt").write_text("a") and p / "vocab.txt", r"is a file but not a tokenizer \.json file"),
+        (lambda p: (p / "tokenizer.json").write_text("{}") and p / "tokenizer.json", r"cannot load '.*tokenizer\.json'"),
+    ],
+)
+def test_bad_tokenizer_paths(tmp_path, make, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_tokenizer(TokenizerConfig(path=str(make(tmp_path))))
