@@ -10,7 +10,14 @@ from remat.data import DatasetConfig, TokenizerConfig
 
 def test_defaults() -> None:
     cfg = DatasetConfig()
-    assert (cfg.path, cfg.format, cfg.seq_length, cfg.packing, cfg.shuffle, cfg.max_samples) == (None, "auto", 256, True, True, None)
+    assert (cfg.path, cfg.format, cfg.seq_length, cfg.packing, cfg.shuffle, cfg.max_samples) == (
+        None,
+        "auto",
+        256,
+        True,
+        True,
+        None,
+    )
     assert cfg.paths is None
     assert DatasetConfig(path="a.jsonl").paths == ["a.jsonl"]
     assert DatasetConfig(path=["a.jsonl", "b.jsonl"]).paths == ["a.jsonl", "b.jsonl"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 from pydoc_data.topics import topics
+
+import pytest
 
 from remat.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from remat.errors import ConfigError

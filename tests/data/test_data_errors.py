@@ -17,7 +17,9 @@ def expect_error(pattern: str, cfg: DatasetConfig, tokenizer, **kwargs) -> None:
 
 def test_invalid_json_names_file_and_line(word_tok, write_jsonl) -> None:
     path = write_jsonl([{"text": "a"}, "", '{"text": "b",}'])
-    expect_error(rf"^dataset\.path: {re.escape(str(path))} line 3 is not valid JSON", DatasetConfig(path=str(path)), word_tok)
+    expect_error(
+        rf"^dataset\.path: {re.escape(str(path))} line 3 is not valid JSON", DatasetConfig(path=str(path)), word_tok
+    )
 
 
 def test_non_object_row_names_line_and_type(word_tok, write_jsonl) -> None:
@@ -37,7 +39,9 @@ def test_missing_field_names_line_keys_and_expected_fields(word_tok, write_jsonl
 
 def test_wrong_field_type_is_named(word_tok, write_jsonl) -> None:
     path = write_jsonl([{"text": 3}])
-    expect_error(r"line 1 field 'text' must be a string for format 'text', got int", DatasetConfig(path=str(path)), word_tok)
+    expect_error(
+        r"line 1 field 'text' must be a string for format 'text', got int", DatasetConfig(path=str(path)), word_tok
+    )
 
 
 def test_undetectable_format_lists_every_format(word_tok, write_jsonl) -> None:
@@ -72,7 +76,11 @@ def test_chat_template_that_is_not_turn_by_turn_is_refused(builtin_tok, write_js
     tok = builtin_tok.__class__.from_pretrained(builtin_tok.name_or_path, local_files_only=True)
     tok.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     path = write_jsonl([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}])
-    expect_error(r"line 1: the tokenizer's chat template does not render this conversation turn by turn", DatasetConfig(path=str(path)), tok)
+    expect_error(
+        r"line 1: the tokenizer's chat template does not render this conversation turn by turn",
+        DatasetConfig(path=str(path)),
+        tok,
+    )
 
 
 def test_missing_path_uses_the_given_key_prefix(word_tok, tmp_path) -> None:
@@ -87,7 +95,9 @@ def test_missing_path_uses_the_given_key_prefix(word_tok, tmp_path) -> None:
 
 def test_list_entries_are_named_by_index(word_tok, write_jsonl, tmp_path) -> None:
     good = write_jsonl([{"text": "a"}])
-    expect_error(r"^dataset\.path\[1\]: .* does not exist", DatasetConfig(path=[str(good), str(tmp_path / "x.jsonl")]), word_tok)
+    expect_error(
+        r"^dataset\.path\[1\]: .* does not exist", DatasetConfig(path=[str(good), str(tmp_path / "x.jsonl")]), word_tok
+    )
 
 
 def test_directory_without_jsonl_and_wrong_suffix(word_tok, tmp_path) -> None:
@@ -99,16 +109,26 @@ def test_directory_without_jsonl_and_wrong_suffix(word_tok, tmp_path) -> None:
 
 def test_empty_file_has_no_rows(word_tok, tmp_path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    expect_error(r"^dataset\.path: '.*empty\.jsonl' holds no rows", DatasetConfig(path=str(tmp_path / "empty.jsonl")), word_tok)
+    expect_error(
+        r"^dataset\.path: '.*empty\.jsonl' holds no rows", DatasetConfig(path=str(tmp_path / "empty.jsonl")), word_tok
+    )
 
 
 def test_split_on_jsonl_is_refused(word_tok, write_jsonl) -> None:
     path = write_jsonl([{"text": "a"}])
-    expect_error(r"^dataset\.split: .* is JSONL, which has no splits; got split 'train'", DatasetConfig(path=str(path), split="train"), word_tok)
+    expect_error(
+        r"^dataset\.split: .* is JSONL, which has no splits; got split 'train'",
+        DatasetConfig(path=str(path), split="train"),
+        word_tok,
+    )
 
 
 def test_builtin_corpus_is_text_only_and_has_two_splits(word_tok) -> None:
-    expect_error(r"^dataset\.format: the builtin corpus .* is plain text; got 'messages'", DatasetConfig(format="messages"), word_tok)
+    expect_error(
+        r"^dataset\.format: the builtin corpus .* is plain text; got 'messages'",
+        DatasetConfig(format="messages"),
+        word_tok,
+    )
     expect_error(
         r"^dataset\.split: the builtin corpus has splits \['train', 'validation'\]; got 'test'",
         DatasetConfig(split="test"),

@@ -44,7 +44,12 @@ def test_prompt_completion_masks_the_prompt(word_tok, wid, write_jsonl) -> None:
 def test_custom_field_names_and_explicit_format(word_tok, wid, write_jsonl) -> None:
     path = write_jsonl([{"q": "a", "ans": "b c", "text": "ignored"}])
     cfg = DatasetConfig(
-        path=str(path), format="prompt_completion", prompt_field="q", completion_field="ans", seq_length=5, packing=False
+        path=str(path),
+        format="prompt_completion",
+        prompt_field="q",
+        completion_field="ans",
+        seq_length=5,
+        packing=False,
     )
     ds = build_dataset(cfg, word_tok)
     assert ds.tensors["labels"].tolist() == [[X, X] + wid("b c") + [1]]

@@ -31,8 +31,12 @@ def test_single_dataset(word_tok, wid, tmp_path) -> None:
 
 def test_dataset_dict_uses_split_or_the_default(word_tok, wid, dataset_dict_dir) -> None:
     train = build_dataset(DatasetConfig(path=str(dataset_dict_dir), seq_length=4, packing=False), word_tok)
-    test = build_dataset(DatasetConfig(path=str(dataset_dict_dir), seq_length=4, packing=False), word_tok, default_split="test")
-    explicit = build_dataset(DatasetConfig(path=str(dataset_dict_dir), split="test", seq_length=4, packing=False), word_tok)
+    test = build_dataset(
+        DatasetConfig(path=str(dataset_dict_dir), seq_length=4, packing=False), word_tok, default_split="test"
+    )
+    explicit = build_dataset(
+        DatasetConfig(path=str(dataset_dict_dir), split="test", seq_length=4, packing=False), word_tok
+    )
     assert train.format == "prompt_completion"
     assert train.tensors["input_ids"][:, 1].tolist() == wid("a b")
     assert test.tensors["labels"].tolist() == [[-100, -100] + wid("f g")]
@@ -40,8 +44,16 @@ def test_dataset_dict_uses_split_or_the_default(word_tok, wid, dataset_dict_dir)
 
 
 def test_unknown_split_lists_the_available_ones(word_tok, dataset_dict_dir) -> None:
-    with pytest.raises(ConfigError, match=r"^validation_dataset\.split: .*dd has splits \['test', 'train'\]; got 'validation' \(the default"):
-        build_dataset(DatasetConfig(path=str(dataset_dict_dir)), word_tok, default_split="validation", key_prefix="validation_dataset")
+    with pytest.raises(
+        ConfigError,
+        match=r"^validation_dataset\.split: .*dd has splits \['test', 'train'\]; got 'validation' \(the default",
+    ):
+        build_dataset(
+            DatasetConfig(path=str(dataset_dict_dir)),
+            word_tok,
+            default_split="validation",
+            key_prefix="validation_dataset",
+        )
 
 
 def test_bad_row_is_named_by_split_and_index(word_tok, dataset_dict_dir) -> None:

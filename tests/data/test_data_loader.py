@@ -14,7 +14,9 @@ from remat.errors import ConfigError
 def numbered_dataset(rows: int, seq: int = 3) -> TokenizedDataset:
     """Row i holds the value i everywhere, so a batch shows which rows it took."""
     values = torch.arange(rows).unsqueeze(1).expand(rows, seq).contiguous()
-    return TokenizedDataset({"input_ids": values, "labels": values.clone(), "position_ids": values.clone()}, format="text", packed=True)
+    return TokenizedDataset(
+        {"input_ids": values, "labels": values.clone(), "position_ids": values.clone()}, format="text", packed=True
+    )
 
 
 def row_ids(batch: dict[str, torch.Tensor]) -> list[int]:
@@ -28,7 +30,11 @@ def take(iterator: StatefulBatchIterator, count: int) -> list[list[int]]:
 def test_batches_are_collated_and_deterministic() -> None:
     ds = numbered_dataset(10)
     batch = next(StatefulBatchIterator(ds, 4, seed=3))
-    assert {name: tuple(t.shape) for name, t in batch.items()} == {"input_ids": (4, 3), "labels": (4, 3), "position_ids": (4, 3)}
+    assert {name: tuple(t.shape) for name, t in batch.items()} == {
+        "input_ids": (4, 3),
+        "labels": (4, 3),
+        "position_ids": (4, 3),
+    }
     assert take(StatefulBatchIterator(ds, 4, seed=3), 7) == take(StatefulBatchIterator(ds, 4, seed=3), 7)
     assert take(StatefulBatchIterator(ds, 4, seed=3), 7) != take(StatefulBatchIterator(ds, 4, seed=4), 7)
 
@@ -36,7 +42,7 @@ def test_batches_are_collated_and_deterministic() -> None:
 def test_epochs_cover_every_row_once_and_reshuffle() -> None:
     it = StatefulBatchIterator(numbered_dataset(12), 4, seed=0)
     assert it.batches_per_epoch == 3
-    epochs = [sum(take(it, 3), []) for _ in range(3)]
+    epochs = [list(itertools.chain.from_iterable(take(it, 3))) for _ in range(3)]
     assert it.epoch == 2
     assert all(sorted(order) == list(range(12)) for order in epochs)
     assert len({tuple(order) for order in epochs}) == 3
@@ -82,7 +88,11 @@ def test_ranks_get_disjoint_shards_that_make_up_the_global_batch() -> None:
     for step in range(6):
         shards = [ranks[r][step] for r in range(3)]
         assert all(len(shard) == 2 for shard in shards)
-        assert not set(shards[0]) & set(shards[1]) and not set(shards[1]) & set(shards[2]) and not set(shards[0]) & set(shards[2])
+        assert (
+            not set(shards[0]) & set(shards[1])
+            and not set(shards[1]) & set(shards[2])
+            and not set(shards[0]) & set(shards[2])
+        )
         assert shards[0] + shards[1] + shards[2] == single[step]
 
 
@@ -103,7 +113,7 @@ def test_resume_with_another_world_size_but_the_same_global_batch() -> None:
         it = StatefulBatchIterator(ds, 2, seed=2, rank=rank, world_size=2)
         it.load_state_dict(single.state_dict())
         halves.append(take(it, 4))
-    assert [a + b for a, b in zip(*halves)] == expected
+    assert [a + b for a, b in zip(*halves, strict=False)] == expected
 
 
 def test_mismatched_resume_state_is_refused() -> None:
@@ -115,7 +125,9 @@ def test_mismatched_resume_state_is_refused() -> None:
 
 
 def test_too_few_rows_and_bad_arguments_are_named() -> None:
-    with pytest.raises(ConfigError, match=r"the dataset has 5 rows, fewer than one global batch of 6 \(batch_size 3 x world_size 2\)"):
+    with pytest.raises(
+        ConfigError, match=r"the dataset has 5 rows, fewer than one global batch of 6 \(batch_size 3 x world_size 2\)"
+    ):
         StatefulBatchIterator(numbered_dataset(5), 3, world_size=2)
     assert StatefulBatchIterator(numbered_dataset(5), 3, world_size=2, drop_last=False).batches_per_epoch == 1
     with pytest.raises(ConfigError, match=r"rank: must be in \[0, 2\) for world_size=2; got 2"):

@@ -14,13 +14,17 @@ from remat.errors import ConfigError
 
 def test_builtin_has_special_tokens_and_a_chat_template(builtin_tok) -> None:
     assert len(builtin_tok) == 4096
-    assert builtin_tok.convert_ids_to_tokens([builtin_tok.bos_token_id, builtin_tok.eos_token_id, builtin_tok.pad_token_id]) == [
+    assert builtin_tok.convert_ids_to_tokens(
+        [builtin_tok.bos_token_id, builtin_tok.eos_token_id, builtin_tok.pad_token_id]
+    ) == [
         "<|bos|>",
         "<|eos|>",
         "<|pad|>",
     ]
     rendered = builtin_tok.apply_chat_template(
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tokenize=False, add_generation_prompt=False
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        tokenize=False,
+        add_generation_prompt=False,
     )
     assert rendered == "<|bos|><|user|>\nHi<|eos|><|assistant|>\nHello<|eos|>"
     assert builtin_tok.convert_tokens_to_ids("<|assistant|>") == 5
@@ -38,7 +42,9 @@ def test_builtin_round_trips_any_text(builtin_tok) -> None:
 def test_cache_is_reused_without_retraining(_isolated_cache, monkeypatch) -> None:
     calls = []
     real_train = tokenizer_module.train_byte_level_bpe
-    monkeypatch.setattr(tokenizer_module, "train_byte_level_bpe", lambda *a, **k: calls.append(a) or real_train(*a, **k))
+    monkeypatch.setattr(
+        tokenizer_module, "train_byte_level_bpe", lambda *a, **k: calls.append(a) or real_train(*a, **k)
+    )
     first = build_tokenizer(TokenizerConfig(vocab_size=600))
     second = build_tokenizer(TokenizerConfig(vocab_size=600))
     assert len(calls) == 1
@@ -69,7 +75,12 @@ def test_load_from_directory_file_and_model_directory(word_tok, tmp_path) -> Non
     from_dir = build_tokenizer(TokenizerConfig(path=str(tmp_path / "tok")))
     from_file = build_tokenizer(TokenizerConfig(path=str(tmp_path / "tok" / "tokenizer.json")))
     from_model = build_tokenizer(TokenizerConfig(), model_path=str(tmp_path / "tok"))
-    assert from_dir("a b z")["input_ids"] == from_file("a b z")["input_ids"] == from_model("a b z")["input_ids"] == expected
+    assert (
+        from_dir("a b z")["input_ids"]
+        == from_file("a b z")["input_ids"]
+        == from_model("a b z")["input_ids"]
+        == expected
+    )
     assert from_dir.eos_token == from_model.eos_token == "<eos>"
 
 
@@ -86,7 +97,10 @@ def test_model_directory_without_tokenizer_falls_back_to_builtin(tmp_path) -> No
         (lambda p: p / "missing", r"^tokenizer\.path: '.*missing' does not exist; expected a local directory"),
         (lambda p: p, r"^tokenizer\.path: directory '.*' holds no tokenizer files"),
         (lambda p: (p / "vocab.txt").write_text("a") and p / "vocab.txt", r"is a file but not a tokenizer \.json file"),
-        (lambda p: (p / "tokenizer.json").write_text("{}") and p / "tokenizer.json", r"cannot load '.*tokenizer\.json'"),
+        (
+            lambda p: (p / "tokenizer.json").write_text("{}") and p / "tokenizer.json",
+            r"cannot load '.*tokenizer\.json'",
+        ),
     ],
 )
 def test_bad_tokenizer_paths(tmp_path, make, message) -> None:

@@ -15,8 +15,15 @@ from remat.data import DatasetConfig, build_dataset
 def test_packed_documents_are_isolated_by_position_ids(word_tok, wid, write_jsonl) -> None:
     torch.manual_seed(0)
     config = AutoConfig.for_model(
-        "llama", vocab_size=len(word_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+        "llama",
+        vocab_size=len(word_tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
     )
     model = AutoModelForCausalLM.from_config(config).eval()
     path = write_jsonl([{"text": "a b c d e"}, {"text": "f g h i j k l m n"}])

@@ -8,7 +8,6 @@ split is the same on every machine and every run (the text itself follows the Py
 from __future__ import annotations
 
 import hashlib
-
 from pydoc_data.topics import topics as _TOPICS
 
 from remat.errors import ConfigError

@@ -41,7 +41,7 @@ class TokenizedDataset(Dataset[dict[str, torch.Tensor]]):
 
     @property
     def num_label_tokens(self) -> int:
-        """Loss targets in the whole dataset (labels other than -100 that some logit predicts, i.e. after position 0)."""
+        """Loss targets in the dataset: labels other than -100 after position 0 (label 0 is never predicted)."""
         return int((self.tensors["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def __repr__(self) -> str:

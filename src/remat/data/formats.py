@@ -123,7 +123,9 @@ def _encode_with_offsets(
     return out
 
 
-def _encode_text(rows: Sequence[RawRow], cfg: DatasetConfig, tok: PreTrainedTokenizerBase, kp: str) -> list[EncodedDocument]:
+def _encode_text(
+    rows: Sequence[RawRow], cfg: DatasetConfig, tok: PreTrainedTokenizerBase, kp: str
+) -> list[EncodedDocument]:
     texts = [_string_field(row, cfg.text_field, "text", cfg, kp) for row in rows]
     return [EncodedDocument(ids, [True] * len(ids)) for ids in _encode(tok, texts)]
 
@@ -156,7 +158,9 @@ def assistant_spans(
         template = tok.get_chat_template()
         rendered = [
             render_jinja_template(
-                conversations=[conversation], chat_template=template, add_generation_prompt=prompt,
+                conversations=[conversation],
+                chat_template=template,
+                add_generation_prompt=prompt,
                 **tok.special_tokens_map,
             )[0][0]
             for conversation, prompt in zip(conversations, generation_prompt, strict=True)
@@ -185,10 +189,14 @@ def _encode_messages(
             "(use the builtin tokenizer or set tokenizer.path to one with a chat template)"
         )
     if not tok.is_fast:
-        raise ConfigError(f"{kp}.format: 'messages' needs a fast tokenizer (character offsets); got {type(tok).__name__}")
+        raise ConfigError(
+            f"{kp}.format: 'messages' needs a fast tokenizer (character offsets); got {type(tok).__name__}"
+        )
     rendered = [assistant_spans(tok, _messages_field(row, cfg, kp), where=row.where, key_prefix=kp) for row in rows]
     documents = []
-    for (_, spans), (ids, offsets) in zip(rendered, _encode_with_offsets(tok, [text for text, _ in rendered]), strict=True):
+    for (_, spans), (ids, offsets) in zip(
+        rendered, _encode_with_offsets(tok, [text for text, _ in rendered]), strict=True
+    ):
         mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
         documents.append(EncodedDocument(list(ids), mask))
     return documents
@@ -213,7 +221,12 @@ def add_document_specials(document: EncodedDocument, tokenizer: PreTrainedTokeni
 
 
 def encode_rows(
-    rows: Sequence[RawRow], fmt: str, cfg: DatasetConfig, tokenizer: PreTrainedTokenizerBase, *, key_prefix: str = "dataset"
+    rows: Sequence[RawRow],
+    fmt: str,
+    cfg: DatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    key_prefix: str = "dataset",
 ) -> list[EncodedDocument]:
     """Tokenize `rows` in format `fmt` (batch-encoded) and frame each document with BOS/EOS."""
     encoded = _ENCODERS[fmt](rows, cfg, tokenizer, key_prefix)

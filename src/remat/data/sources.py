@@ -110,9 +110,11 @@ def read_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: s
             for index, text in enumerate(documents)
         )
     else:
-        keys = [f"{key_prefix}.path"] if isinstance(cfg.path, str) else [
-            f"{key_prefix}.path[{i}]" for i in range(len(paths))
-        ]
+        keys = (
+            [f"{key_prefix}.path"]
+            if isinstance(cfg.path, str)
+            else [f"{key_prefix}.path[{i}]" for i in range(len(paths))]
+        )
         rows = itertools.chain.from_iterable(
             _rows_of_path(raw, cfg, split, key_prefix, key) for raw, key in zip(paths, keys, strict=True)
         )

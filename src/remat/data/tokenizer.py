@@ -121,7 +121,8 @@ def builtin_tokenizer(vocab_size: int = 4096) -> PreTrainedTokenizerBase:
         trained = train_byte_level_bpe(builtin_documents("train"), vocab_size)
         if trained.get_vocab_size() < vocab_size:
             logger.warning(
-                "tokenizer.vocab_size=%d is more than the builtin corpus supports; the builtin tokenizer has %d entries",
+                "tokenizer.vocab_size=%d is more than the builtin corpus supports; "
+                "the builtin tokenizer has %d entries (size the model's vocabulary with len(tokenizer))",
                 vocab_size,
                 trained.get_vocab_size(),
             )
