@@ -1,0 +1,147 @@
+"""StepMemoryMeter: source selection, the tracked/RSS readings, errors, and the cross-rank maximum."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from remat.errors import ConfigError
+from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter, max_over_ranks
+from remat.memory import rss as rss_module
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    return model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_unknown_source_is_a_config_error_listing_allowed_values() -> None:
+    with pytest.raises(ConfigError, match=r"memory source: got 'gpu'; allowed: 'auto', 'cuda', 'tracked', 'rss'"):
+        StepMemoryMeter("gpu")  # type: ignore[arg-type]
+
+
+@no_cuda
+def test_cuda_source_without_cuda_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"got 'cuda' but torch.cuda.is_available\(\) is False"):
+        StepMemoryMeter("cuda")
+
+
+@no_cuda
+def test_auto_is_tracked_on_the_cpu() -> None:
+    assert StepMemoryMeter().source == "tracked"
+    assert StepMemoryMeter(device="cpu").source == "tracked"
+
+
+def test_tracked_reading_is_the_whole_step_peak_including_optimizer_state() -> None:
+    model, optimizer = _model_and_optimizer()
+    x = torch.randn(16, 32)
+    _step(model, optimizer, x)  # the optimizer state now exists
+    meter = StepMemoryMeter("tracked", model=model, optimizer=optimizer)
+    with meter.step():
+        _step(model, optimizer, x)
+    with LiveTensorTracker(module=model, optimizer=optimizer) as tracker:
+        _step(model, optimizer, x)
+    reading = meter.last
+    param_bytes = sum(p.numel() for p in model.parameters()) * 4
+    assert reading.source == "tracked"
+    assert reading.peak_bytes == tracker.peak_bytes
+    assert reading.breakdown == tracker.peak_breakdown
+    assert reading.breakdown is not None and sum(reading.breakdown.values()) == reading.peak_bytes
+    assert reading.breakdown["parameters"] == param_bytes
+    assert reading.breakdown["optimizer_state"] == 2 * param_bytes + 4 * 4  # exp_avg, exp_avg_sq, 4 step counters
+    assert reading.peak_bytes > 4 * param_bytes
+
+
+def test_per_step_model_and_marks_reach_the_tracker() -> None:
+    model, optimizer = _model_and_optimizer()
+    meter = StepMemoryMeter("tracked")
+    with meter.step(model=model, optimizer=optimizer):
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        meter.mark("after_forward")
+        loss.backward()
+    reading = meter.last
+    assert reading.breakdown is not None
+    assert reading.breakdown["parameters"] == sum(p.numel() for p in model.parameters()) * 4
+    assert reading.phase == "after_forward"  # the backward peak comes after the mark
+
+
+def test_last_before_any_step_and_after_a_failed_step() -> None:
+    meter = StepMemoryMeter("tracked")
+    with pytest.raises(RuntimeError, match="no step has been measured yet"):
+        _ = meter.last
+    with meter.step():
+        kept = torch.empty(256)
+    with pytest.raises(ValueError, match="boom"):
+        with meter.step():
+            raise ValueError("boom")
+    assert meter.last.peak_bytes == 1024  # the failed step left the previous reading
+    del kept
+
+
+def test_rss_reading_covers_a_large_allocation_inside_the_step() -> None:
+    meter = StepMemoryMeter("rss")
+    size = 64 * 2**20
+    with meter.step():
+        big = torch.ones(size // 4)
+        del big
+    first = meter.last
+    assert first.source in ("rss", "rss-lifetime")
+    assert first.peak_bytes >= size
+    with meter.step():
+        pass
+    if first.source == "rss":  # the high-water mark was reset per step: the idle step peaks lower
+        assert meter.last.peak_bytes <= first.peak_bytes - size // 2
+
+
+def test_rss_falls_back_to_the_lifetime_peak_when_it_cannot_be_reset(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(rss_module, "_CLEAR_REFS", tmp_path / "missing" / "clear_refs")
+    meter = StepMemoryMeter("rss")
+    with meter.step():
+        pass
+    assert meter.last.source == "rss-lifetime"
+    assert meter.last.peak_bytes == rss_module.lifetime_peak_rss()
+    assert "lifetime" in meter.last.description
+
+
+def test_format_gib() -> None:
+    reading = MemoryReading(peak_bytes=int(0.41 * 2**30), source="tracked")
+    assert reading.format_gib() == "0.41 GiB"
+    assert reading.format_gib(3) == "0.410 GiB"
+    assert MemoryReading(peak_bytes=3 * 2**30, source="cuda").format_gib() == "3.00 GiB"
+
+
+def test_max_over_ranks_is_identity_without_distributed() -> None:
+    reading = MemoryReading(peak_bytes=123, source="tracked", breakdown={"temporaries": 123}, phase="x")
+    assert max_over_ranks(reading) is reading
+
+
+def _max_over_ranks_worker(rank: int, world_size: int, store_path: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        reading = MemoryReading(peak_bytes=1000 * (rank + 1), source="tracked", breakdown={"temporaries": 1}, phase="p")
+        combined = max_over_ranks(reading)
+        Path(results, f"rank{rank}.txt").write_text(f"{combined.peak_bytes} {combined.source} {combined.breakdown}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_max_over_ranks_takes_the_largest_peak_on_every_rank(tmp_path: Path) -> None:
+    mp.spawn(_max_over_ranks_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2000 tracked None"] * 2
