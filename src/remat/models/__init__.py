@@ -1,0 +1,18 @@
+"""Models: build a causal LM from a local pretrained directory, a named shape preset or a transformers config."""
+
+from __future__ import annotations
+
+from remat.models.build import build_model, count_parameters, resolve_model_config
+from remat.models.config import ModelConfig
+from remat.models.presets import PRESETS, ModelPreset, get_preset, preset_names
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "ModelPreset",
+    "build_model",
+    "count_parameters",
+    "get_preset",
+    "preset_names",
+    "resolve_model_config",
+]

@@ -1,0 +1,215 @@
+"""Build a transformers causal LM from a `ModelConfig`: a local pretrained directory, a preset, or a config mapping.
+
+Weights built from a preset or config are random and come from torch's global RNG on the target device, so
+`torch.manual_seed(s)` before `build_model` gives the same weights every time on that device. Models are built for
+training: `config.use_cache` is False (a KV cache updated again during activation recompute breaks backward).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import inspect
+import logging
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.generation import GenerationConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from remat.errors import ConfigError
+from remat.models.config import ModelConfig
+from remat.models.presets import get_preset
+
+logger = logging.getLogger(__name__)
+
+_PRETRAINED_KEY = "model.pretrained_model_name_or_path"
+
+
+def resolve_model_config(cfg: ModelConfig, vocab_size: int | None = None) -> PretrainedConfig:
+    """The transformers config `build_model` would build (no weights are created or read).
+
+    `vocab_size` is the tokenizer's size (`len(tokenizer)`): it fills the vocabulary of configs that do not fix one
+    (and of the small presets), and a model vocabulary smaller than it is an error, except for pretrained models,
+    whose embeddings `build_model` grows to fit.
+    """
+    _check_vocab_argument(vocab_size)
+    if cfg.source == "pretrained":
+        config = _pretrained_config(cfg)
+        if vocab_size is not None and vocab_size > config.vocab_size:
+            config.vocab_size = vocab_size
+    else:
+        config = _config_from_mapping(_config_mapping(cfg, vocab_size), cfg)
+        if vocab_size is not None and config.vocab_size < vocab_size:
+            raise ConfigError(
+                f"model.config.vocab_size: {config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens; "
+                f"set it to at least {vocab_size} or leave it out to take the tokenizer's size."
+            )
+    config.use_cache = False
+    return config
+
+
+def build_model(
+    cfg: ModelConfig,
+    *,
+    vocab_size: int | None = None,
+    device: str | torch.device = "cpu",
+    meta: bool = False,
+) -> PreTrainedModel:
+    """Build the causal LM described by `cfg` on `device` (or on the meta device, without storage, if `meta`).
+
+    Parameters are created in `cfg.dtype`. See `resolve_model_config` for how `vocab_size` is used.
+    """
+    dtype: torch.dtype = getattr(torch, cfg.dtype)
+    if cfg.source == "pretrained" and not meta:
+        model = _load_pretrained(cfg, dtype, device)
+        if vocab_size is not None:
+            _grow_vocabulary(model, _check_vocab_argument(vocab_size))
+    else:
+        config = resolve_model_config(cfg, vocab_size)
+        with torch.device("meta" if meta else device):
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=dtype,
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+    model.config.use_cache = False
+    return model
+
+
+def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of parameter elements, tied parameters counted once (works on meta-device models too)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _check_vocab_argument(vocab_size: int | None) -> int | None:
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ConfigError(f"vocab_size: must be a positive integer (the tokenizer's size); got {vocab_size!r}.")
+    return vocab_size
+
+
+def _config_mapping(cfg: ModelConfig, vocab_size: int | None) -> dict[str, Any]:
+    """The preset's fields (vocabulary from the tokenizer where the preset takes it) overlaid by `cfg.config`."""
+    overrides = copy.deepcopy(cfg.config or {})
+    if cfg.preset is None:
+        if vocab_size is not None:
+            overrides.setdefault("vocab_size", vocab_size)
+        return overrides
+    preset = get_preset(cfg.preset)
+    mapping = copy.deepcopy(dict(preset.config))
+    if vocab_size is not None:
+        mapping.update({key: vocab_size for key in preset.tokenizer_vocab_keys})
+    mapping.update(overrides)
+    return mapping
+
+
+def _config_from_mapping(mapping: dict[str, Any], cfg: ModelConfig) -> PretrainedConfig:
+    fields = dict(mapping)
+    model_type = fields.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
+        hint = f" Close matches: {', '.join(close)}." if close else ""
+        raise ConfigError(f"model.config.model_type: transformers has no model type {model_type!r}.{hint}")
+    config_class = CONFIG_MAPPING[model_type]
+    if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(
+            f"model.config.model_type: {model_type!r} has no causal-LM class in transformers "
+            "(AutoModelForCausalLM cannot build it); choose a decoder model type such as 'llama' or 'qwen3'."
+        )
+    _reject_unknown_keys(config_class, model_type, fields)
+    try:
+        return AutoConfig.for_model(model_type, trust_remote_code=cfg.trust_remote_code, **fields)
+    except Exception as err:  # transformers raises ValueError, TypeError and huggingface_hub validation errors
+        message = " ".join(str(err).split())  # transformers' validation messages span several lines
+        raise ConfigError(f"model.config: transformers rejected the {model_type!r} config: {message}") from err
+
+
+def _reject_unknown_keys(config_class: type[PretrainedConfig], model_type: str, fields: Iterable[str]) -> None:
+    """A key transformers does not know would be stored and silently ignored: a typo builds the wrong model."""
+    known = _known_config_keys(config_class)
+    for key in fields:
+        if key in known or _mentioned_in_config_code(config_class, key):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.7)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"model.config.{key}: {config_class.__name__} ({model_type!r}) has no such field, so transformers "
+            f"would ignore it.{hint}"
+        )
+
+
+@functools.cache
+def _known_config_keys(config_class: type[PretrainedConfig]) -> frozenset[str]:
+    names: set[str] = set(config_class.attribute_map) | set(getattr(config_class, "sub_configs", {}) or {})
+    if dataclasses.is_dataclass(config_class):
+        names |= {f.name for f in dataclasses.fields(config_class)}
+    names |= set(GenerationConfig._get_default_generation_params())  # accepted and moved to the generation config
+    return frozenset(names)
+
+
+@functools.cache
+def _config_code(config_class: type[PretrainedConfig]) -> str:
+    """Source of the modules defining the config class and its bases (legacy keys are read from `kwargs` there)."""
+    modules = {cls.__module__ for cls in config_class.__mro__ if cls.__module__.startswith("transformers")}
+    return "\n".join(inspect.getsource(sys.modules[name]) for name in sorted(modules))
+
+
+def _mentioned_in_config_code(config_class: type[PretrainedConfig], key: str) -> bool:
+    code = _config_code(config_class)
+    return f'"{key}"' in code or f"'{key}'" in code
+
+
+def _pretrained_directory(cfg: ModelConfig) -> str:
+    path = cfg.pretrained_model_name_or_path
+    assert path is not None
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(
+            f"{_PRETRAINED_KEY}: {path!r} has no config.json; give a directory written by `save_pretrained` "
+            "(config.json next to the weights)."
+        )
+    return path
+
+
+def _pretrained_config(cfg: ModelConfig) -> PretrainedConfig:
+    path = _pretrained_directory(cfg)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{_PRETRAINED_KEY}: cannot read a transformers config from {path!r}: {err}") from err
+
+
+def _load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
+    path = _pretrained_directory(cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{_PRETRAINED_KEY}: cannot load a causal LM from {path!r}: {err}") from err
+    return model.to(device)
+
+
+def _grow_vocabulary(model: PreTrainedModel, vocab_size: int) -> None:
+    current = model.get_input_embeddings().num_embeddings
+    if vocab_size <= current:
+        return
+    logger.warning(
+        "The tokenizer has %d tokens but the pretrained model only %d embeddings: resizing the embeddings "
+        "(new rows are initialised from the mean of the old ones).",
+        vocab_size,
+        current,
+    )
+    model.resize_token_embeddings(vocab_size)

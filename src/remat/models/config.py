@@ -1,0 +1,121 @@
+"""The `model` section of a recipe: where the model comes from and how its parameters are stored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import field_validator, model_validator
+
+from remat.config_base import StrictModel
+from remat.errors import ConfigError
+from remat.models.presets import get_preset, preset_for_hub_id, preset_names
+
+ParamDtype = Literal["float32", "bfloat16", "float16"]
+AutocastDtype = Literal["bfloat16", "float16"]
+ModelSource = Literal["pretrained", "preset", "config"]
+
+
+class ModelConfig(StrictModel):
+    """Which causal LM to train: a local pretrained directory, a named shape preset, or a transformers config.
+
+    Exactly one source is given; `config` may accompany `preset` to override some of its fields (for example
+    `num_hidden_layers`). Nothing is ever downloaded.
+    """
+
+    pretrained_model_name_or_path: str | None = None
+    """A local directory holding `config.json` and weights (as written by `save_pretrained`)."""
+    preset: str | None = None
+    """A shape preset name (see `remat.models.preset_names()`): random weights of a well-known model's shape."""
+    config: dict[str, Any] | None = None
+    """A transformers config as a mapping, `model_type` included; with `preset`, fields that override it."""
+    dtype: ParamDtype = "float32"
+    """The dtype of the parameters."""
+    autocast: AutocastDtype | None = None
+    """Run forward/backward under `torch.autocast` in this dtype (the training loop applies it)."""
+    attn_implementation: Literal["sdpa", "eager"] | None = None
+    """Attention kernel; None keeps the transformers default for the architecture."""
+    output_hidden_states: bool = False
+    """The loss needs the last hidden states instead of logits (fused linear cross-entropy)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code shipped inside a local pretrained directory."""
+
+    @field_validator("pretrained_model_name_or_path")
+    @classmethod
+    def _must_be_local_directory(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        if path.is_dir():
+            return str(path)
+        if path.exists():
+            raise ConfigError(
+                f"model.pretrained_model_name_or_path: {value!r} is a file; give the directory that holds "
+                "config.json and the weights."
+            )
+        matching = preset_for_hub_id(value)
+        preset_hint = (
+            f" For random weights of the same shape, use `model.preset: {matching.name}`." if matching else ""
+        )
+        raise ConfigError(
+            f"model.pretrained_model_name_or_path: {value!r} is not a local directory. remat never downloads "
+            "models: fetch it yourself (for example `hf download <repo> --local-dir <dir>`) and give that "
+            f"directory.{preset_hint}"
+        )
+
+    @field_validator("preset")
+    @classmethod
+    def _must_be_known_preset(cls, value: str | None) -> str | None:
+        return None if value is None else get_preset(value).name
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelConfig:
+        if self.pretrained_model_name_or_path is not None:
+            if self.preset is not None or self.config is not None:
+                other = "model.preset" if self.preset is not None else "model.config"
+                raise ConfigError(
+                    f"model.pretrained_model_name_or_path and {other} are both given; choose one source "
+                    "(a pretrained directory is built from its own config.json)."
+                )
+            return self
+        if self.preset is None and self.config is None:
+            raise ConfigError(
+                "model: no model source given. Set one of model.pretrained_model_name_or_path (a local directory), "
+                f"model.preset (one of: {', '.join(preset_names())}) or model.config (a transformers config "
+                "mapping with model_type)."
+            )
+        if self.config is not None:
+            self._check_model_type(self.config.get("model_type"))
+        return self
+
+    def _check_model_type(self, model_type: Any) -> None:
+        if self.preset is None:
+            if not isinstance(model_type, str) or not model_type:
+                raise ConfigError(
+                    f"model.config.model_type: must be a transformers model type such as 'llama' or 'qwen3'; "
+                    f"got {model_type!r}."
+                )
+            return
+        preset_type = get_preset(self.preset).model_type
+        if model_type is not None and model_type != preset_type:
+            raise ConfigError(
+                f"model.config.model_type: {model_type!r} contradicts model.preset {self.preset!r}, which is "
+                f"{preset_type!r}; drop model.config.model_type or the preset."
+            )
+
+    @property
+    def source(self) -> ModelSource:
+        """Which source builds the model."""
+        if self.pretrained_model_name_or_path is not None:
+            return "pretrained"
+        return "preset" if self.preset is not None else "config"
+
+    def describe(self) -> str:
+        """One line naming the model source, for logs."""
+        if self.source == "pretrained":
+            return f"pretrained weights from {self.pretrained_model_name_or_path}"
+        if self.source == "config":
+            return f"random weights, config model_type={self.config['model_type']!r}"  # type: ignore[index]
+        preset = get_preset(self.preset)  # type: ignore[arg-type]
+        overrides = f" with overrides {sorted(self.config)}" if self.config else ""
+        return f"random weights, preset {preset.name} ({preset.source}){overrides}"
