@@ -39,8 +39,8 @@ def _unique_topics() -> list[tuple[str, str]]:
 
 
 def builtin_corpus_fingerprint() -> str:
-    """A hex digest of the whole builtin corpus text (changes when the Python version ships other topics)."""
+    """A hex digest of the corpus as served: each document's key, split and text (follows the Python version)."""
     digest = hashlib.sha256()
-    for name in sorted(_TOPICS):
-        digest.update(name.encode("utf-8") + b"\0" + _TOPICS[name].encode("utf-8") + b"\0")
+    for name, text in _unique_topics():
+        digest.update(f"{name}\0{_split_of(name)}\0{text}\0".encode())
     return digest.hexdigest()

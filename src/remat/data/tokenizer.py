@@ -41,7 +41,7 @@ CHAT_TEMPLATE = (
 )
 
 # Bump when the way the builtin tokenizer is trained or saved changes, so old caches are not reused.
-_BUILTIN_RECIPE_VERSION = 1
+_BUILTIN_RECIPE_VERSION = 2
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
