@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import pytest
@@ -64,14 +65,18 @@ def tiny_llama(*, attn_implementation: str = "sdpa", attention_dropout: float = 
     return model
 
 
-def checkpoint_layers(model: nn.Module, context_fn: Callable[[], Any] | None) -> None:
-    """Wrap each decoder layer's forward in non-reentrant checkpoint (context_fn=None: full checkpointing)."""
+def checkpoint_layers(
+    model: nn.Module, context_fn: Callable[[], Any] | None, outer: AbstractContextManager[Any] | None = None
+) -> None:
+    """Wrap each decoder layer's forward in non-reentrant checkpoint (context_fn=None: full checkpointing),
+    called inside `outer` when given (e.g. an OffloadActivations, which then offloads the layer inputs)."""
     extra = {} if context_fn is None else {"context_fn": context_fn}
     for layer in model.model.layers:  # type: ignore[union-attr]
         inner = layer.forward
 
         def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
-            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
+            with outer if outer is not None else nullcontext():
+                return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
 
         layer.forward = forward
 
