@@ -1,0 +1,23 @@
+"""Causal-LM losses: the plain masked cross-entropy and the fused linear cross-entropy that never holds the logits."""
+
+from __future__ import annotations
+
+from remat.loss.backends import BACKENDS, Backend, select_backend
+from remat.loss.chunked import DEFAULT_CHUNK_BYTES, GradStrategy, auto_token_chunk, auto_vocab_chunk
+from remat.loss.fused import FusedLinearCrossEntropy
+from remat.loss.masked import MaskedCrossEntropy
+from remat.loss.targets import Reduction, next_token_targets
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_CHUNK_BYTES",
+    "Backend",
+    "FusedLinearCrossEntropy",
+    "GradStrategy",
+    "MaskedCrossEntropy",
+    "Reduction",
+    "auto_token_chunk",
+    "auto_vocab_chunk",
+    "next_token_targets",
+    "select_backend",
+]

@@ -1,0 +1,184 @@
+"""``FusedLinearCrossEntropy``: the next-token loss of ``hidden_states @ weight.T`` without the logits."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from remat.errors import ConfigError
+from remat.loss.backends import Backend, check_backend, kernel_loss_sum, select_backend
+from remat.loss.chunked import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkedLinearCrossEntropy,
+    ChunkSettings,
+    GradStrategy,
+    auto_token_chunk,
+    resolve_grad_strategy,
+)
+from remat.loss.targets import (
+    Reduction,
+    check_labels,
+    check_reduction,
+    check_target_range,
+    loss_divisor,
+    next_token_targets,
+)
+
+GRAD_STRATEGIES: tuple[str, ...] = ("auto", "forward", "recompute")
+
+
+class FusedLinearCrossEntropy:
+    """Next-token cross-entropy of the output head applied to ``hidden_states``, never holding ``[tokens, vocab]``.
+
+    Same label and reduction conventions as :class:`~remat.loss.MaskedCrossEntropy` (HF labels, shifted here;
+    ``ignore_index`` tokens skipped; "mean" over label tokens or ``num_label_tokens``; "sum"), same value and
+    gradients up to floating-point rounding. The math runs in fp32 for bf16/fp16/fp32 inputs.
+
+    Args:
+        ignore_index: label value of tokens that carry no loss (prompt, padding, document boundaries).
+        reduction: "mean" or "sum".
+        logit_softcap: Gemma-style cap: the logits are ``cap * tanh(logits / cap)``; None for no cap.
+        chunk_size: tokens per chunk; None picks it from the vocabulary size and ``chunk_bytes``
+            (see :func:`remat.loss.auto_token_chunk`).
+        grad_strategy: "auto", "forward" (gradients computed in forward, 3 matmuls) or "recompute" (logits
+            recomputed in backward, 4 matmuls, no fp32 weight-gradient accumulator); see :mod:`remat.loss.chunked`.
+        chunk_bytes: working-memory target of one chunk, in bytes.
+        backend: "auto" (a CUDA kernel package if importable, else "torch"), "torch", "cce" or "liger".
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: Reduction = "mean",
+        logit_softcap: float | None = None,
+        chunk_size: int | None = None,
+        *,
+        grad_strategy: GradStrategy = "auto",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        backend: Backend = "auto",
+    ) -> None:
+        self.ignore_index = int(ignore_index)
+        self.reduction: Reduction = check_reduction(reduction)
+        if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and 0 < logit_softcap < math.inf):
+            raise ConfigError(f"loss_fn.logit_softcap: got {logit_softcap!r}; allowed: None or a positive number")
+        self.logit_softcap = float(logit_softcap) if logit_softcap is not None else None
+        if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
+            raise ConfigError(f"loss_fn.chunk_size: got {chunk_size!r}; allowed: None (automatic) or an integer >= 1")
+        self.chunk_size = chunk_size
+        if grad_strategy not in GRAD_STRATEGIES:
+            raise ConfigError(
+                f"loss_fn.grad_strategy: got {grad_strategy!r}; allowed: {', '.join(map(repr, GRAD_STRATEGIES))}"
+            )
+        self.grad_strategy: GradStrategy = grad_strategy
+        if not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
+            raise ConfigError(f"loss_fn.chunk_bytes: got {chunk_bytes!r}; allowed: a positive integer (bytes)")
+        self.chunk_bytes = chunk_bytes
+        self.backend: Backend = check_backend(backend)
+
+    def __repr__(self) -> str:
+        return (
+            f"FusedLinearCrossEntropy(ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"logit_softcap={self.logit_softcap}, chunk_size={self.chunk_size}, "
+            f"grad_strategy={self.grad_strategy!r}, chunk_bytes={self.chunk_bytes}, backend={self.backend!r})"
+        )
+
+    def __call__(
+        self,
+        hidden_states: Tensor,
+        lm_head_weight: Tensor,
+        labels: Tensor,
+        bias: Tensor | None = None,
+        num_label_tokens: int | float | Tensor | None = None,
+    ) -> Tensor:
+        """Return the scalar loss (fp32; fp64 for fp64 inputs) of ``hidden_states [..., T, H]``, ``weight [V, H]``.
+
+        ``lm_head_weight`` (and ``bias``) receive gradients like any autograd input: pass the parameter itself
+        (a tied input embedding collects both gradients; an FSDP2 DTensor is gathered differentiably, so its
+        gradient is reduce-scattered back to the shards).
+        """
+        hidden, weight, bias, labels = _gathered(hidden_states, lm_head_weight, bias, labels)
+        hidden, weight, bias = _autocast_cast(hidden, weight, bias)
+        _check_inputs(hidden, weight, bias)
+        check_labels(labels, hidden.shape[:-1], "hidden_states")
+        vocab_size = weight.shape[0]
+        targets = next_token_targets(labels.to(hidden.device), self.ignore_index)
+        check_target_range(targets, vocab_size, self.ignore_index)
+        rows = (targets != self.ignore_index).nonzero().squeeze(1)
+        divisor = loss_divisor(self.reduction, rows.numel(), num_label_tokens)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+
+        backend = select_backend(self.backend, flat.device)
+        if backend != "torch":
+            total = kernel_loss_sum(backend, flat, weight, targets, bias, self.ignore_index, self.logit_softcap)
+            return total.float() / divisor
+
+        token_chunk = self.chunk_size or auto_token_chunk(vocab_size, weight.dtype, self.logit_softcap,
+                                                          self.chunk_bytes)
+        settings = ChunkSettings(
+            scale=1.0 / divisor,
+            softcap=self.logit_softcap,
+            token_chunk=token_chunk,
+            strategy=resolve_grad_strategy(self.grad_strategy, weight, rows.numel(), token_chunk),
+            chunk_bytes=self.chunk_bytes,
+        )
+        with _autocast_off(flat.device):
+            loss: Tensor = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, rows, settings)
+        return loss
+
+
+def _gathered(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Replace DTensors (FSDP2 / tensor-parallel shards) by their full tensors, differentiably."""
+    if not torch.distributed.is_available():
+        return tensors
+    from torch.distributed.tensor import DTensor
+
+    return tuple(t.full_tensor() if isinstance(t, DTensor) else t for t in tensors)
+
+
+def _autocast_cast(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Under autocast, cast the inputs to the autocast dtype as ``F.linear`` would (gradients flow back through)."""
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+
+
+@contextlib.contextmanager
+def _autocast_off(device: torch.device) -> Iterator[None]:
+    if torch.is_autocast_enabled(device.type):
+        with torch.autocast(device.type, enabled=False):
+            yield
+    else:
+        yield
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """Raise a ConfigError naming the argument whose shape, dtype or device does not fit the others."""
+    if hidden.dim() < 2 or not hidden.dtype.is_floating_point:
+        raise ConfigError(
+            f"hidden_states: got shape {tuple(hidden.shape)} and dtype {hidden.dtype}; "
+            "allowed: a floating tensor [..., sequence, hidden]"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ConfigError(
+            f"lm_head_weight: got shape {tuple(weight.shape)}; allowed: [vocab, {hidden.shape[-1]}] "
+            "(the output head's weight, hidden size matching hidden_states)"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ConfigError(f"bias: got shape {tuple(bias.shape)}; allowed: None or [{weight.shape[0]}] (vocab)")
+    for name, tensor in (("lm_head_weight", weight), ("bias", bias)):
+        if tensor is None:
+            continue
+        if tensor.dtype != hidden.dtype:
+            raise ConfigError(
+                f"{name}: got dtype {tensor.dtype}; allowed: the dtype of hidden_states ({hidden.dtype}); "
+                "cast one of them or run under torch.autocast"
+            )
+        if tensor.device != hidden.device:
+            raise ConfigError(f"{name}: got device {tensor.device}; allowed: the device of hidden_states "
+                              f"({hidden.device})")
