@@ -36,8 +36,8 @@ def test_weights_are_deterministic_under_the_seed() -> None:
 
 
 def test_dtype_and_training_flags_are_applied() -> None:
-    model = build_model(_tiny(), **{})
-    assert model.config.use_cache is False
+    model = build_model(_tiny())
+    assert model.config.use_cache is False and model.training
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     bf16 = build_model(ModelConfig(config=TINY_LLAMA, dtype="bfloat16", attn_implementation="eager"))
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
@@ -149,7 +149,8 @@ def test_pretrained_directory_loads_the_same_weights(saved_tiny: tuple[Path, tor
     path, original = saved_tiny
     loaded = build_model(ModelConfig(pretrained_model_name_or_path=str(path)))
     ids = torch.randint(0, 64, (1, 10))
-    assert loaded.config.use_cache is False
+    assert loaded.config.use_cache is False and loaded.training
+    loaded.eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, original.eval()(input_ids=ids).logits)
 

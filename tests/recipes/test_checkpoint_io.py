@@ -300,3 +300,13 @@ def test_checkpoint_files_are_listed_with_their_sizes(tmp_path: Path) -> None:
     marker = json.loads((path / COMPLETE_MARKER).read_text())
     assert marker["step"] == 1 and marker["peft"] is False and marker["format"] == 1
     assert marker["files"]["model/model.safetensors"] == os.path.getsize(path / "model" / "model.safetensors")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing torch._dynamo warns about torch.jit
+def test_compiled_models_are_saved_and_loaded_through_their_original_module(tmp_path: Path) -> None:
+    model = _model(0)
+    compiled = torch.compile(model)  # wrapping only: nothing is compiled until it is called
+    path = save_checkpoint(tmp_path, 1, model=compiled, train_state={})
+    fresh = _model(1)
+    load_checkpoint(path, model=torch.compile(fresh))
+    assert _same_tensors(fresh.state_dict(), model.state_dict())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from remat.models.build import build_model, count_parameters, resolve_model_config
+from remat.models.catalog import PresetSummary, presets_markdown_table, summarize_presets
 from remat.models.config import ModelConfig
 from remat.models.presets import PRESETS, ModelPreset, get_preset, preset_names
 
@@ -10,9 +11,12 @@ __all__ = [
     "PRESETS",
     "ModelConfig",
     "ModelPreset",
+    "PresetSummary",
     "build_model",
     "count_parameters",
     "get_preset",
     "preset_names",
+    "presets_markdown_table",
     "resolve_model_config",
+    "summarize_presets",
 ]

@@ -66,13 +66,15 @@ def build_model(
 ) -> PreTrainedModel:
     """Build the causal LM described by `cfg` on `device` (or on the meta device, without storage, if `meta`).
 
-    Parameters are created in `cfg.dtype`. See `resolve_model_config` for how `vocab_size` is used.
+    Parameters are created in `cfg.dtype`; the model is returned in train mode with `use_cache=False`.
+    See `resolve_model_config` for how `vocab_size` is used.
     """
+    _check_vocab_argument(vocab_size)
     dtype: torch.dtype = getattr(torch, cfg.dtype)
     if cfg.source == "pretrained" and not meta:
         model = _load_pretrained(cfg, dtype, device)
         if vocab_size is not None:
-            _grow_vocabulary(model, _check_vocab_argument(vocab_size))
+            _grow_vocabulary(model, vocab_size)
     else:
         config = resolve_model_config(cfg, vocab_size)
         with torch.device("meta" if meta else device):
@@ -83,7 +85,7 @@ def build_model(
                 trust_remote_code=cfg.trust_remote_code,
             )
     model.config.use_cache = False
-    return model
+    return model.train()  # from_pretrained hands models back in eval mode; every source starts the same way
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
@@ -91,10 +93,9 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def _check_vocab_argument(vocab_size: int | None) -> int | None:
+def _check_vocab_argument(vocab_size: int | None) -> None:
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ConfigError(f"vocab_size: must be a positive integer (the tokenizer's size); got {vocab_size!r}.")
-    return vocab_size
 
 
 def _config_mapping(cfg: ModelConfig, vocab_size: int | None) -> dict[str, Any]:

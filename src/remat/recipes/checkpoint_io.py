@@ -20,6 +20,7 @@ sharded (torch.distributed.checkpoint) variant can reuse the directory protocol 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -28,6 +29,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from remat.errors import ConfigError
 
@@ -245,7 +248,8 @@ def _write_contents(
 
 
 def _save_hf_model(model: PreTrainedModel, directory: Path) -> None:
-    model.save_pretrained(directory)
+    with _quiet_progress_bars():
+        model.save_pretrained(directory)
     _enable_cache_in_export(directory / "config.json")
 
 
@@ -434,7 +438,8 @@ def _load_model_weights(model: nn.Module, directory: Path) -> None:
 
 def _load_through_transformers(model: PreTrainedModel, directory: Path) -> None:
     dtype = next(model.parameters()).dtype
-    reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    with _quiet_progress_bars():
+        reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     result = model.load_state_dict(reference.state_dict(), strict=False)
     if result.unexpected_keys or set(result.missing_keys) - _tied_names(model):
         raise ConfigError(
@@ -501,6 +506,18 @@ def _load_state_into(target: Any, file: Path, what: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """Keep transformers' per-shard progress bars out of the training log."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
