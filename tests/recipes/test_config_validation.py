@@ -105,8 +105,15 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  preset: tiny-llama\n step_scheduler: [\n")
-    with pytest.raises(ConfigError, match=r"not valid YAML.*line 3"):
+    with pytest.raises(ConfigError, match=r"not valid YAML at line 3, column 2: expected <block end>"):
         load_recipe(path)
+
+
+def test_exponent_floats_are_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "lr.yaml"
+    path.write_text("model:\n  preset: tiny-llama\noptimizer:\n  lr: 3e-4\n  eps: 1E-8\n")
+    cfg = load_recipe(path)
+    assert cfg.optimizer.kwargs == {"lr": 3e-4, "eps": 1e-8}
 
 
 def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:

@@ -34,10 +34,10 @@ def test_scheduler_state_resumes_exactly() -> None:
     for _ in range(5):
         opt.step()
         sched.step()
-    state = sched.state_dict()
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched2 = build_lr_scheduler(opt2, cfg, max_steps=10)
-    sched2.load_state_dict(state)
+    opt2.load_state_dict(opt.state_dict())  # a resume restores both, optimizer first
+    sched2.load_state_dict(sched.state_dict())
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
     opt.step(); sched.step(); opt2.step(); sched2.step()  # noqa: E702
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])

@@ -7,6 +7,7 @@ Values are parsed as YAML scalars/flow collections, so ``true``, ``3e-4``, ``[1,
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -17,6 +18,17 @@ from pydantic import BaseModel, ValidationError
 from remat.errors import ConfigError, RematError
 from remat.recipes.config import RecipeConfig, TargetConfig
 from remat.recipes.targets import check_kwargs, resolve_target
+
+
+class RecipeYamlLoader(yaml.SafeLoader):
+    """Safe YAML loading that also reads ``3e-4`` and ``1e5`` as floats (YAML 1.1 leaves them strings)."""
+
+
+RecipeYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 # Arguments remat passes itself when it builds these targets.
 PROVIDED_ARGS: dict[str, tuple[str, ...]] = {"optimizer": ("params",), "loss_fn": ()}
@@ -47,7 +59,7 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
 
 def _parse_value(raw: str) -> Any:
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
+        return yaml.load(raw, Loader=RecipeYamlLoader) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
 
@@ -84,9 +96,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"recipe {str(path)!r} not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=RecipeYamlLoader)
     except yaml.YAMLError as err:
-        raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {err}") from err
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"recipe {str(path)!r} is not valid YAML{where}: {problem}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

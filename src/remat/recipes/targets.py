@@ -16,6 +16,9 @@ from remat.errors import ConfigError
 
 ALLOWED_PREFIXES: tuple[str, ...] = ("remat.", "torch.", "transformers.", "peft.")
 
+# Names users carry over from other trainers, for "did you mean" hints that spelling distance would miss.
+COMMON_SYNONYMS: dict[str, str] = {"learning_rate": "lr", "wd": "weight_decay", "beta": "betas", "epsilon": "eps"}
+
 
 def resolve_target(path: str, *, key: str, allow_custom: bool = False) -> Callable[..., Any]:
     """Import the object named by a dotted ``path`` such as ``torch.optim.AdamW``.
@@ -75,8 +78,9 @@ def check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, key: str, pr
             raise ConfigError(f"{section}.{name}: set by remat itself, remove it from the recipe")
         if name not in params and not takes_var_kw:
             allowed = [n for n in accepted if n not in provided and n != "self"]
-            close = difflib.get_close_matches(name, allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            synonym = COMMON_SYNONYMS.get(name)
+            close = [synonym] if synonym in allowed else difflib.get_close_matches(name, allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "."
             raise ConfigError(
                 f"{section}.{name}: unknown argument of {fn.__module__}.{getattr(fn, '__qualname__', fn)}{hint} "
                 f"Allowed: {', '.join(allowed)}"
