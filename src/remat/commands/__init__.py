@@ -1,0 +1,1 @@
+"""One module per ``remat`` subcommand; each exposes ``register(subparsers)`` and ``run(args, extra) -> int``."""
