@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from remat.errors import ConfigError
@@ -129,19 +127,3 @@ def test_format_gib() -> None:
 def test_max_over_ranks_is_identity_without_distributed() -> None:
     reading = MemoryReading(peak_bytes=123, source="tracked", breakdown={"temporaries": 123}, phase="x")
     assert max_over_ranks(reading) is reading
-
-
-def _max_over_ranks_worker(rank: int, world_size: int, store_path: str, results: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-    try:
-        reading = MemoryReading(peak_bytes=1000 * (rank + 1), source="tracked", breakdown={"temporaries": 1}, phase="p")
-        combined = max_over_ranks(reading)
-        Path(results, f"rank{rank}.txt").write_text(f"{combined.peak_bytes} {combined.source} {combined.breakdown}")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.distributed
-def test_max_over_ranks_takes_the_largest_peak_on_every_rank(tmp_path: Path) -> None:
-    mp.spawn(_max_over_ranks_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2000 tracked None"] * 2
