@@ -163,3 +163,13 @@ def test_tied_parameters_share_one_storage_and_count_once() -> None:
     with LiveTensorTracker(module=model) as tracker:
         pass
     assert tracker.current_bytes == 16 * 8 * F32
+
+
+def test_higher_order_operator_outputs_are_counted_as_one_op() -> None:
+    x = torch.randn(100)
+    with LiveTensorTracker() as tracker:
+        y = torch.cond(x.sum() > 0, lambda t: t.sin() * 2, lambda t: t.cos(), (x,))
+    assert tracker.current_bytes == 100 * F32
+    assert tracker.peak_bytes == 100 * F32 + 1  # the output and the bool predicate, alive together
+    assert tracker.peak_op == "cond"
+    del y

@@ -41,7 +41,10 @@ def _op_allocates(func: Any) -> bool:
     """True when no output of `func` aliases an input by its schema (so its outputs are fresh storages)."""
     allocates = _OP_ALLOCATES.get(func)
     if allocates is None:
-        schema = func._schema
+        schema = getattr(func, "_schema", None)
+        if schema is None:  # a higher-order operator (e.g. flex_attention): its outputs are fresh
+            _OP_ALLOCATES[func] = True
+            return True
         # unsafe_split / unsafe_chunk return views while their schema claims otherwise; lift_fresh is declared
         # aliasing but its input is a tensor just built from Python data (torch.tensor(...)), seen by no op.
         allocates = schema.name == "aten::lift_fresh" or (
@@ -127,6 +130,10 @@ class LiveTensorTracker(TorchDispatchMode):
     entering again starts a new measurement. Entering a tracker that is already active raises `RuntimeError`;
     two different trackers may be nested and each counts everything inside it.
     """
+
+    # Higher-order operators (flex_attention, ...) come to __torch_dispatch__ as one op: their outputs are
+    # counted, what they allocate and free inside is not.
+    supports_higher_order_operators = True
 
     def __init__(self, *, module: nn.Module | None = None, optimizer: Optimizer | None = None) -> None:
         super().__init__()
