@@ -42,7 +42,7 @@ def _op_allocates(func: Any) -> bool:
     allocates = _OP_ALLOCATES.get(func)
     if allocates is None:
         schema = getattr(func, "_schema", None)
-        if schema is None:  # a higher-order operator (e.g. flex_attention): its outputs are fresh
+        if schema is None:  # a higher-order operator (e.g. torch.cond): its outputs are fresh
             _OP_ALLOCATES[func] = True
             return True
         # unsafe_split / unsafe_chunk return views while their schema claims otherwise; lift_fresh is declared
