@@ -5,6 +5,7 @@ from __future__ import annotations
 from remat.loss.backends import BACKENDS, Backend, select_backend
 from remat.loss.chunked import DEFAULT_CHUNK_BYTES, GradStrategy, auto_token_chunk, auto_vocab_chunk
 from remat.loss.fused import FusedLinearCrossEntropy
+from remat.loss.head import OutputHead, output_head
 from remat.loss.masked import MaskedCrossEntropy
 from remat.loss.targets import Reduction, next_token_targets
 
@@ -15,9 +16,11 @@ __all__ = [
     "FusedLinearCrossEntropy",
     "GradStrategy",
     "MaskedCrossEntropy",
+    "OutputHead",
     "Reduction",
     "auto_token_chunk",
     "auto_vocab_chunk",
     "next_token_targets",
+    "output_head",
     "select_backend",
 ]

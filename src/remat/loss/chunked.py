@@ -91,6 +91,7 @@ class ChunkSettings:
     token_chunk: int
     strategy: str
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    grad_enabled: bool = True  # torch.is_grad_enabled() at the call (forward runs with grad mode off)
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
@@ -134,7 +135,7 @@ class _ForwardGrads:
         if self.hidden is not None:
             self.hidden.index_copy_(0, rows, grad.to(weight.dtype) @ weight)
         if self.weight is not None:
-            self.weight.addmm_(grad.T, h.to(grad.dtype))
+            torch.addmm(self.weight, grad.T, h.to(grad.dtype), out=self.weight)  # in place, seen as a matmul
 
     def scaled(self, grad_loss: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """The final gradients times the incoming gradient of the loss, in the inputs' dtypes."""
@@ -229,7 +230,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, rows: Tensor,
                 settings: ChunkSettings) -> Tensor:
-        needs = tuple(ctx.needs_input_grad[:3])
+        needs = tuple(settings.grad_enabled and needed for needed in ctx.needs_input_grad[:3])
         wants_grad = any(needs)
         grads = _ForwardGrads(hidden, weight, bias, needs) if wants_grad and settings.strategy == "forward" else None
         keep_lse = wants_grad and settings.strategy == "recompute"

@@ -124,6 +124,7 @@ class FusedLinearCrossEntropy:
             token_chunk=token_chunk,
             strategy=resolve_grad_strategy(self.grad_strategy, weight, rows.numel(), token_chunk),
             chunk_bytes=self.chunk_bytes,
+            grad_enabled=torch.is_grad_enabled(),
         )
         with _autocast_off(flat.device):
             loss: Tensor = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, rows, settings)

@@ -30,7 +30,7 @@ class OutputHead:
     """The output projection of a model, as ``FusedLinearCrossEntropy`` consumes it.
 
     ``logits = cap * tanh(((hidden_scale * hidden) @ weight.T + bias) / cap)`` (``cap = logit_softcap``) where
-    ``hidden`` is the model's last hidden state (after the final norm: ``model.base_model(...).last_hidden_state``).
+    ``hidden`` is the model's last hidden state (after the final norm: ``model.get_decoder()(...).last_hidden_state``).
     ``hidden_scale`` folds a model's fixed logit multiplier into the hidden states (see ``LOGIT_MULTIPLIERS``);
     it is 1.0 for most models.
     """

@@ -1,0 +1,110 @@
+"""Backend selection and the kernel adapters, with fake cut_cross_entropy / liger_kernel modules (CPU only here)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from loss_reference import reference_loss
+
+from remat.errors import ConfigError
+from remat.loss import FusedLinearCrossEntropy, backends, select_backend
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+class FakeKernel:
+    """Stands in for a kernel package's function: records its arguments, returns the float64 summed loss."""
+
+    def __init__(self, returns_tuple: bool = False) -> None:
+        self.calls: list[dict] = []
+        self.returns_tuple = returns_tuple
+
+    def __call__(self, hidden, weight, targets, **kwargs):
+        self.calls.append({"hidden": hidden, "weight": weight, "targets": targets, **kwargs})
+        logits = hidden.double() @ weight.double().T
+        valid = targets != kwargs["ignore_index"]
+        loss = torch.nn.functional.cross_entropy(logits[valid], targets[valid], reduction="sum")
+        return (loss, None) if self.returns_tuple else loss
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch):
+    """Install fake kernel packages by name ("cce", "liger"); returns their FakeKernels."""
+    backends._announced.clear()
+
+    def install(*names: str) -> dict[str, FakeKernel]:
+        kernels = {}
+        for name in names:
+            module_name, function_name = backends.KERNELS[name]
+            kernels[name] = FakeKernel(returns_tuple=name == "liger")
+            module = types.ModuleType(module_name)
+            setattr(module, function_name, kernels[name])
+            monkeypatch.setitem(sys.modules, module_name, module)
+        for name in set(backends.KERNELS) - set(names):  # make sure the others look absent
+            monkeypatch.setitem(sys.modules, backends.KERNELS[name][0], None)
+        return kernels
+
+    yield install
+    backends._announced.clear()
+
+
+def test_torch_and_cpu_always_run_the_pure_pytorch_path(installed) -> None:
+    installed("cce", "liger")
+    assert select_backend("torch", CUDA) == "torch"
+    assert select_backend("auto", CPU) == "torch"
+    assert select_backend("cce", CPU) == "torch"
+
+
+@pytest.mark.parametrize(("present", "expected"), [(("cce", "liger"), "cce"), (("liger",), "liger"), ((), "torch")])
+def test_auto_on_cuda_prefers_cce_then_liger_then_torch(installed, present, expected) -> None:
+    installed(*present)
+    assert select_backend("auto", CUDA) == expected
+
+
+def test_an_explicit_backend_that_is_absent_falls_back_with_one_warning(installed, caplog) -> None:
+    installed("liger")
+    with caplog.at_level(logging.INFO, logger="remat.loss"):
+        assert select_backend("cce", CUDA) == "torch"
+        assert select_backend("cce", CUDA) == "torch"
+        assert select_backend("liger", CUDA) == "liger"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'cce' requested on cuda" in warnings[0].getMessage()
+    assert any("backend 'liger' on cuda" in r.getMessage() for r in caplog.records)
+
+
+def test_a_package_that_fails_to_import_counts_as_absent(installed, monkeypatch) -> None:
+    installed()
+
+    def broken_import(name: str):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(backends.importlib, "import_module", broken_import)
+    assert backends.load_kernel("cce") is None
+    assert select_backend("auto", CUDA) == "torch"
+
+
+@pytest.mark.parametrize("name", ["cce", "liger"])
+def test_the_fused_loss_hands_shifted_targets_to_the_kernel_and_divides_its_sum(installed, monkeypatch, name):
+    kernels = installed(name)
+    monkeypatch.setattr("remat.loss.fused.select_backend", lambda requested, device: name)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 6, 4), torch.randn(11, 4)
+    labels = torch.randint(0, 11, (2, 6))
+    labels[0, 2] = -100
+    loss = FusedLinearCrossEntropy(logit_softcap=5.0, backend=name)(hidden, weight, labels, num_label_tokens=7)
+    call = kernels[name].calls[-1]
+    assert call["hidden"].shape == (12, 4) and call["weight"] is weight
+    assert call["targets"].tolist() == torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1).reshape(-1).tolist()
+    assert call["reduction"] == "sum" and call["softcap"] == 5.0 and call["ignore_index"] == -100
+    assert call.get("filter_eps", "absent") == (None if name == "cce" else "absent")  # cce: exact gradients
+    torch.testing.assert_close(loss.double(), reference_loss(hidden, weight, labels, reduction="sum") / 7)
+
+
+def test_unknown_backend_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"loss_fn.backend: got 'triton'; allowed: 'auto', 'torch', 'cce', 'liger'"):
+        FusedLinearCrossEntropy(backend="triton")
