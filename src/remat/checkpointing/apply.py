@@ -1,0 +1,192 @@
+"""`apply_activation_checkpointing`: find the blocks, resolve the policy into a plan, wrap the modules, and switch
+off the KV cache; `remove_activation_checkpointing` undoes it.
+
+Wrapping patches ``forward`` on the module instances (see `remat.checkpointing.wrappers`): no module is replaced,
+so parameter names, ``state_dict`` keys and ``save_pretrained`` weights are unchanged, and ``fully_shard`` or
+``torch.compile`` can be applied to the wrapped blocks afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+
+from remat.checkpointing.discovery import find_blocks
+from remat.checkpointing.plan import CheckpointPlan, LayerPlan
+from remat.checkpointing.policy import PolicyLike, merge_options, parse_policy
+from remat.checkpointing.resolve import resolve_plan
+from remat.checkpointing.segments import Segment
+from remat.checkpointing.wrappers import (
+    CheckpointRunner,
+    OffloadRunner,
+    Runner,
+    is_wrapped,
+    unwrap_forward,
+    wrap_forward,
+)
+from remat.errors import CheckpointingError
+
+logger = logging.getLogger(__name__)
+
+#: The attribute on the model that remembers the ``use_cache`` values switched off: [(module name, value)].
+_USE_CACHE_ATTR = "_remat_use_cache_before"
+_RECOMPUTING_MODES = frozenset({"full", "selective", "attention", "mlp"})
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    policy: PolicyLike = "full",
+    *,
+    offload_context: AbstractContextManager[Any] | None = None,
+    **options: Any,
+) -> CheckpointPlan:
+    """Apply an activation-checkpointing policy to ``model`` in place and return what was done, block by block.
+
+    ``policy`` takes every form `parse_policy` accepts (``True``, ``"full"``, ``"selective"``, ``"sqrt"``,
+    ``{"mode": "full", "every_n_layers": 2}``, a `CheckpointPolicy`, ...); ``options`` override its fields
+    (``apply_activation_checkpointing(model, "full", every_n_layers=2)``). ``offload_context`` is the re-enterable
+    saved-tensor-hooks context used by offloading policies (default: an `OffloadActivations` that treats the
+    model's parameters and buffers as resident).
+
+    Raises `CheckpointingError` when the model is already checkpointed (by remat, by transformers'
+    ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable``, or by torch's ``checkpoint_wrapper``),
+    when no blocks are found, or when the policy would wrap nothing. ``policy="none"`` returns an empty plan and
+    leaves the model untouched.
+    """
+    parsed = merge_options(parse_policy(policy), options)
+    model_class = type(model).__name__
+    if not parsed.enabled:
+        return CheckpointPlan.empty(parsed, model_class, "policy 'none': nothing wrapped")
+    _refuse_double_wrapping(model)
+    plan = resolve_plan(parsed, find_blocks(model, parsed.block_pattern), model_class)
+
+    offload = None
+    if any(layer.offload for layer in plan.layers):
+        offload = offload_context if offload_context is not None else _default_offload_context(model)
+    modules = dict(model.named_modules())
+    runners = _runners(plan, offload)
+    for name, runner in runners.items():
+        wrap_forward(modules[name], runner)
+
+    notes = list(plan.notes)
+    if any(layer.mode in _RECOMPUTING_MODES for layer in plan.layers):
+        switched = _switch_off_use_cache(model)
+        if switched:
+            notes.append(
+                f"use_cache set to False on {', '.join(switched)}: recomputed blocks must not write a KV cache a "
+                "second time; remove_activation_checkpointing() restores it"
+            )
+    plan = replace(plan, notes=tuple(notes), offload_context=offload)
+    logger.info("activation checkpointing: %s", plan.summary())
+    for note in plan.notes:
+        logger.info("activation checkpointing: %s", note)
+    return plan
+
+
+def remove_activation_checkpointing(model: nn.Module) -> int:
+    """Undo `apply_activation_checkpointing`: restore every wrapped forward and the ``use_cache`` values that were
+    switched off. Returns how many modules were unwrapped (0 when none was)."""
+    count = sum(unwrap_forward(module) for module in model.modules())
+    saved = model.__dict__.pop(_USE_CACHE_ATTR, [])
+    modules = dict(model.named_modules())
+    for name, value in saved:
+        config = getattr(modules.get(name), "config", None)
+        if config is not None:
+            config.use_cache = value
+    return count
+
+
+def is_checkpointed(model: nn.Module) -> bool:
+    """True when remat wrapped any module of ``model``."""
+    return any(is_wrapped(module) for module in model.modules())
+
+
+# --- helpers -----------------------------------------------------------------------------------------------------
+
+
+def _runners(plan: CheckpointPlan, offload: AbstractContextManager[Any] | None) -> dict[str, Runner]:
+    from remat.checkpointing.selective import selective_context_fn
+
+    segments = {
+        span: Segment(span[0], span[1], tuple(plan.layers[i].name for i in range(span[0], span[1] + 1)))
+        for span in plan.segments
+        if span[1] > span[0]
+    }
+    runners: dict[str, Runner] = {}
+    for layer in plan.layers:
+        layer_offload = offload if layer.offload else None
+        for name in layer.wrapped:
+            runners[name] = _runner_for(layer, layer_offload, segments, selective_context_fn)
+    return runners
+
+
+def _runner_for(
+    layer: LayerPlan,
+    offload: AbstractContextManager[Any] | None,
+    segments: dict[tuple[int, int], Segment],
+    selective_context_fn: Any,
+) -> Runner:
+    if layer.segment is not None and layer.segment in segments:
+        return segments[layer.segment].member(layer.index - layer.segment[0])
+    if layer.mode == "selective":
+        return CheckpointRunner(selective_context_fn(), offload)
+    if layer.mode == "offload":
+        if offload is None:
+            raise AssertionError("an offload layer without an offload context")
+        return OffloadRunner(offload)
+    return CheckpointRunner(None, offload)
+
+
+def _default_offload_context(model: nn.Module) -> AbstractContextManager[Any]:
+    from remat.checkpointing.offload import OffloadActivations
+
+    return OffloadActivations(module=model)
+
+
+def _refuse_double_wrapping(model: nn.Module) -> None:
+    cls = type(model).__name__
+    ours = [name for name, module in model.named_modules() if is_wrapped(module)]
+    if ours:
+        raise CheckpointingError(
+            f"activation checkpointing is already applied to {cls} by remat ({len(ours)} modules, e.g. "
+            f"{ours[0]!r}); applying it again would recompute blocks twice. To change the policy, call "
+            "remat.checkpointing.remove_activation_checkpointing(model) first"
+        )
+    hf = [name or "<root>" for name, module in model.named_modules() if getattr(module, "gradient_checkpointing", False) is True]
+    if hf:
+        raise CheckpointingError(
+            f"transformers' own activation checkpointing is already on in {cls} ({len(hf)} modules, e.g. "
+            f"{hf[0]!r}), enabled by gradient_checkpointing_enable() / activation_checkpointing_enable() (peft's "
+            "prepare_model_for_kbit_training does this by default); both together would recompute blocks twice. "
+            "Call model.activation_checkpointing_disable() first, or keep transformers' and skip remat's"
+        )
+    torch_wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "CheckpointWrapper"]
+    if torch_wrapped:
+        raise CheckpointingError(
+            f"{cls} already has torch checkpoint_wrapper modules ({len(torch_wrapped)}, e.g. {torch_wrapped[0]!r}); "
+            "remove them before applying remat's policy, or apply only one of the two"
+        )
+
+
+def _switch_off_use_cache(model: nn.Module) -> list[str]:
+    """Set ``config.use_cache = False`` on every module config that has it True; remember the old values."""
+    switched: list[str] = []
+    saved: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen or not hasattr(config, "use_cache"):
+            continue
+        seen.add(id(config))
+        if config.use_cache:
+            saved.append((name, config.use_cache))
+            config.use_cache = False
+            switched.append(f"{type(config).__name__} ({name or '<root>'})")
+    if saved:
+        model.__dict__[_USE_CACHE_ATTR] = saved
+    return switched
+
