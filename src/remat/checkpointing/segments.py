@@ -176,8 +176,11 @@ class _SegmentRun:
                 saved: list[torch.Tensor] = []
 
                 def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
-                    saved.append(tensor.detach() if tensor.requires_grad else tensor)
-                    return tensor
+                    # Detached: a saved output holding its own grad_fn would make a reference cycle that keeps the
+                    # whole replay alive until the garbage collector runs.
+                    detached = tensor.detach() if tensor.requires_grad else tensor
+                    saved.append(detached)
+                    return detached
 
                 call.rng.restore()
                 with ExitStack() as stack:

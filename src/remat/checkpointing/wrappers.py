@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,9 @@ class CheckpointRunner(Runner):
     def __call__(self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         fn, args, kwargs = _input_as_positional(inner, args, kwargs)
         with self.offload if self.offload is not None else nullcontext():
-            return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn or noop_context_fn, **kwargs)
+            if self.context_fn is None:  # no context_fn argument at all: what torch.compile's checkpoint support expects
+                return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
 
 class OffloadRunner(Runner):

@@ -1,0 +1,66 @@
+"""Offloading policies, tested honestly on a CPU-only machine: with an offload context that copies CPU tensors, what
+is moved, that it comes back for backward, and that gradients are unchanged. (The memory benefit needs a GPU.)"""
+
+from __future__ import annotations
+
+import torch
+from ckpt_models import BATCH, SEQ, assert_same_grads, batch, step_grads, tiny_model
+from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
+
+from remat.checkpointing import apply_activation_checkpointing
+from remat.checkpointing.offload import OffloadActivations
+
+HIDDEN = 32
+LAYERS = 4
+
+
+def _copying_context(model: torch.nn.Module) -> OffloadActivations:
+    return OffloadActivations(copy_cpu_tensors=True, min_bytes=0, prefetch=0, module=model)
+
+
+def test_offload_mode_moves_what_blocks_save_and_brings_it_back() -> None:
+    model = tiny_model("llama")
+    ids = batch()
+    expected = step_grads(model, ids)
+    context = _copying_context(model)
+    plan = apply_activation_checkpointing(model, "offload", offload_context=context)
+    assert plan.offload_context is context
+    actual = step_grads(model, ids)
+    assert_same_grads(expected, actual)
+    stats = context.stats
+    assert stats.offloaded_tensors > 10 * LAYERS  # every activation a block saves, not just its input
+    assert stats.restored_tensors == stats.offloaded_tensors
+    assert stats.restored_bytes == stats.offloaded_bytes
+    assert stats.skipped["parameter"] > 0  # weights stay where they are
+
+
+def test_full_with_offload_moves_exactly_the_block_inputs() -> None:
+    model = tiny_model("qwen3")
+    ids = batch()
+    expected = step_grads(model, ids)
+    context = _copying_context(model)
+    apply_activation_checkpointing(model, {"mode": "full", "offload": True}, offload_context=context)
+    actual = step_grads(model, ids)
+    assert_same_grads(expected, actual)
+    # full checkpointing keeps one hidden state per block; with offload those (and only those) go to the host
+    assert context.stats.offloaded_tensors == LAYERS
+    assert context.stats.offloaded_bytes == LAYERS * BATCH * SEQ * HIDDEN * 4
+    assert context.stats.restored_tensors == LAYERS
+
+
+def test_attention_with_offload_moves_the_attention_inputs() -> None:
+    model = tiny_model("mistral")
+    ids = batch()
+    expected = step_grads(model, ids)
+    context = _copying_context(model)
+    apply_activation_checkpointing(model, {"mode": "attention", "offload": True}, offload_context=context)
+    assert_same_grads(expected, step_grads(model, ids))
+    assert context.stats.offloaded_tensors == LAYERS  # the keyword-only hidden_states of each attention module
+
+
+def test_default_context_on_the_cpu_copies_nothing() -> None:
+    model = tiny_model("llama")
+    plan = apply_activation_checkpointing(model, "offload")
+    step_grads(model, batch())
+    assert plan.offload_context.stats.offloaded_tensors == 0
+    assert plan.offload_context.stats.skipped["host"] > 0
