@@ -1,5 +1,44 @@
-"""remat: memory-efficient training of causal language models in PyTorch."""
+"""remat: memory-efficient training of causal language models in PyTorch.
+
+The public API, re-exported here (nothing inside the package imports from this module):
+
+- ``apply_activation_checkpointing(model, policy="full", **options) -> CheckpointPlan`` and ``CheckpointPolicy``:
+  recompute instead of store, per block, with full / selective / attention / mlp / every-n / sqrt / offload policies.
+- ``remat.loss.FusedLinearCrossEntropy`` and ``remat.loss.MaskedCrossEntropy``.
+- ``LiveTensorTracker`` and ``StepMemoryMeter`` (``remat.memory``): exact memory accounting.
+- ``DistributedSetup``: how the model is spread over processes, and the order savers are applied in.
+- ``build_model`` / ``ModelConfig`` (``remat.models``), ``FinetuneRecipe`` / ``load_recipe`` (``remat.recipes``).
+"""
 
 from __future__ import annotations
 
+from remat import loss
+from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy
+from remat.distributed import DistributedSetup
+from remat.errors import CheckpointingError, ConfigError, RematError
+from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter
+from remat.models import ModelConfig, build_model
+from remat.recipes.finetune import FinetuneRecipe
+from remat.recipes.loader import load_recipe
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointPlan",
+    "CheckpointPolicy",
+    "CheckpointingError",
+    "ConfigError",
+    "DistributedSetup",
+    "FinetuneRecipe",
+    "LiveTensorTracker",
+    "MemoryReading",
+    "ModelConfig",
+    "RematError",
+    "StepMemoryMeter",
+    "__version__",
+    "apply_activation_checkpointing",
+    "build_model",
+    "load_recipe",
+    "loss",
+    "parse_policy",
+]
