@@ -100,6 +100,20 @@ class CheckpointPlan:
                 seen.append(layer.segment)
         return tuple(seen)
 
+    def shard_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Block names grouped into the units FSDP2 should shard together, in order: one block per unit, except
+        that the blocks of a segment form one unit (a segment is replayed as a whole, so all its parameters must be
+        gathered when backward reaches its last block). Use ``fully_shard([modules[n] for n in group])``."""
+        groups: list[tuple[str, ...]] = []
+        for layer in self.layers:
+            span = layer.segment
+            if span is not None and span[0] != span[1]:
+                if layer.index == span[0]:
+                    groups.append(tuple(self.layers[i].name for i in range(span[0], span[1] + 1)))
+                continue
+            groups.append((layer.name,))
+        return tuple(groups)
+
     @property
     def fallbacks(self) -> tuple[LayerPlan, ...]:
         """Blocks that got another mode than the policy asked for."""

@@ -182,6 +182,7 @@ class _SegmentRun:
                     saved.append(detached)
                     return detached
 
+                _check_gathered(call.inner, self.segment)
                 call.rng.restore()
                 with ExitStack() as stack:
                     for device_type, enabled, dtype in call.autocast:
@@ -204,6 +205,21 @@ class _SegmentRun:
             f"the forward saved {len(call.saved)} (first difference at tensor {first_diff}); the block does not "
             "compute the same thing twice from the same inputs (data-dependent control flow or state changed "
             "between forward and backward). Use full or every_n_layers for this model instead of segments"
+        )
+
+
+def _check_gathered(inner: Callable[..., Any], segment: Segment) -> None:
+    """Refuse to replay a block whose parameters are sharded (FSDP2 resharded it after its forward)."""
+    module = getattr(inner, "__self__", None)
+    if not isinstance(module, nn.Module) or not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise CheckpointingError(
+            f"segment {segment.first}-{segment.last}: the parameters of {type(module).__name__} are sharded when "
+            "the segment is replayed in backward. Shard each segment as one unit (fully_shard(list of the "
+            "segment's blocks) for each group of CheckpointPlan.shard_groups()), or use full / every_n_layers"
         )
 
 
