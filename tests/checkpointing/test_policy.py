@@ -1,4 +1,5 @@
-"""`parse_policy` accepts every documented spelling and rejects the rest with a message naming key, value and choices."""
+"""`parse_policy` accepts every documented spelling and rejects the rest with a message naming key, value and
+choices."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ KEY = "distributed.activation_checkpointing"
                 layers=(LayerOverride(0, 3, "full"), LayerOverride(5, 5, "mlp", True), LayerOverride(7, 7, "none")),
             ),
         ),
-        ({"layers": {"2": True, "3": False}}, CheckpointPolicy(layers=(LayerOverride(2, 2, "full"), LayerOverride(3, 3, "none")))),
+        (
+            {"layers": {"2": True, "3": False}},
+            CheckpointPolicy(layers=(LayerOverride(2, 2, "full"), LayerOverride(3, 3, "none"))),
+        ),
     ],
 )
 def test_accepted_spellings(value: Any, expected: CheckpointPolicy) -> None:

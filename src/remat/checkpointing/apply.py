@@ -20,6 +20,7 @@ from remat.checkpointing.plan import CheckpointPlan, LayerPlan
 from remat.checkpointing.policy import PolicyLike, merge_options, parse_policy
 from remat.checkpointing.resolve import resolve_plan
 from remat.checkpointing.segments import Segment
+from remat.checkpointing.selective import selective_context_fn
 from remat.checkpointing.wrappers import (
     CheckpointRunner,
     OffloadRunner,
@@ -109,8 +110,6 @@ def is_checkpointed(model: nn.Module) -> bool:
 
 
 def _runners(plan: CheckpointPlan, offload: AbstractContextManager[Any] | None) -> dict[str, Runner]:
-    from remat.checkpointing.selective import selective_context_fn
-
     segments = {
         span: Segment(span[0], span[1], tuple(plan.layers[i].name for i in range(span[0], span[1] + 1)))
         for span in plan.segments
@@ -120,7 +119,7 @@ def _runners(plan: CheckpointPlan, offload: AbstractContextManager[Any] | None) 
     for layer in plan.layers:
         layer_offload = offload if layer.offload else None
         for name in layer.wrapped:
-            runners[name] = _runner_for(layer, layer_offload, segments, selective_context_fn)
+            runners[name] = _runner_for(layer, layer_offload, segments)
     return runners
 
 
@@ -128,7 +127,6 @@ def _runner_for(
     layer: LayerPlan,
     offload: AbstractContextManager[Any] | None,
     segments: dict[tuple[int, int], Segment],
-    selective_context_fn: Any,
 ) -> Runner:
     if layer.segment is not None and layer.segment in segments:
         return segments[layer.segment].member(layer.index - layer.segment[0])
@@ -156,7 +154,11 @@ def _refuse_double_wrapping(model: nn.Module) -> None:
             f"{ours[0]!r}); applying it again would recompute blocks twice. To change the policy, call "
             "remat.checkpointing.remove_activation_checkpointing(model) first"
         )
-    hf = [name or "<root>" for name, module in model.named_modules() if getattr(module, "gradient_checkpointing", False) is True]
+    hf = [
+        name or "<root>"
+        for name, module in model.named_modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+    ]
     if hf:
         raise CheckpointingError(
             f"transformers' own activation checkpointing is already on in {cls} ({len(hf)} modules, e.g. "

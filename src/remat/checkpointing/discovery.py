@@ -15,7 +15,7 @@ Blocks of the same kind outside the language model (a vision tower's layers) are
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -26,7 +26,8 @@ from remat.errors import CheckpointingError
 KVSharingRole = Literal["store", "reuse"]
 SearchMethod = Literal["block_pattern", "GradientCheckpointingLayer", "ModuleList"]
 
-#: Attribute names of attention sub-modules across architectures (llama ``self_attn``, gpt2 ``attn``, neox ``attention``).
+#: Attribute names of attention sub-modules across architectures (llama ``self_attn``, gpt2 ``attn``, neox
+#: ``attention``).
 ATTENTION_NAMES: Final[tuple[str, ...]] = ("self_attn", "attn", "attention", "self_attention")
 #: Attribute names of MLP / MoE sub-modules across architectures.
 MLP_NAMES: Final[tuple[str, ...]] = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "ff")
@@ -125,7 +126,9 @@ def find_blocks(model: nn.Module, block_pattern: str | None = None) -> BlockSear
         stack = _largest_stack(root)
         if stack is not None:
             return BlockSearch(_describe(list(stack), names), names[id(stack)], "ModuleList")
-    where = f"{type(model).__name__}" + (f" (language model: {names[id(decoder)] or '<root>'})" if decoder is not model else "")
+    where = type(model).__name__
+    if decoder is not model:
+        where += f" (language model: {names[id(decoder)] or '<root>'})"
     raise CheckpointingError(
         f"no transformer blocks found in {where}: searched for transformers GradientCheckpointingLayer modules and "
         "for an nn.ModuleList / nn.Sequential of same-class modules with parameters. Pass block_pattern: a module "
@@ -177,12 +180,12 @@ def _is_hf_checkpointing_layer(module: nn.Module) -> bool:
     return isinstance(module, GradientCheckpointingLayer)
 
 
-def _outermost(root: nn.Module, predicate: object) -> list[nn.Module]:
+def _outermost(root: nn.Module, predicate: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Modules under ``root`` (``root`` included) satisfying ``predicate``, skipping those nested in a match."""
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
-        if predicate(module):  # type: ignore[operator]
+        if predicate(module):
             found.append(module)
             return
         for child in module.children():
@@ -275,11 +278,11 @@ def _looks_like(module: nn.Module, class_pattern: re.Pattern[str]) -> bool:
     )
 
 
-def _outermost_named(block: nn.Module, predicate: object) -> Iterator[tuple[str, nn.Module]]:
+def _outermost_named(block: nn.Module, predicate: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module]]:
     def visit(prefix: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
-            if predicate(child):  # type: ignore[operator]
+            if predicate(child):
                 yield full, child
             else:
                 yield from visit(full, child)

@@ -220,7 +220,9 @@ def _parse_string(value: str, key: str) -> dict[str, Any]:
         return {"mode": "full", "segments": "sqrt"}
     if text in MODES:
         return {"mode": text}
-    raise ConfigError(f"{key}: got {value!r}; allowed: true, false, {_listing(POLICY_STRINGS)}{_suggest(text, POLICY_STRINGS)}")
+    raise ConfigError(
+        f"{key}: got {value!r}; allowed: true, false, {_listing(POLICY_STRINGS)}{_suggest(text, POLICY_STRINGS)}"
+    )
 
 
 def _parse_mapping(value: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -314,7 +316,9 @@ def _check_bool(value: Any, key: str) -> None:
 
 def _check_block_pattern(value: Any, key: str) -> None:
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{key}: got {value!r}; allowed: a module path such as 'model.layers' or a regular expression")
+        raise ConfigError(
+            f"{key}: got {value!r}; allowed: a module path such as 'model.layers' or a regular expression"
+        )
     try:
         re.compile(value)
     except re.error as exc:
@@ -344,7 +348,9 @@ def _check_combination(policy: CheckpointPolicy, key: str) -> None:
         if policy.offload:
             raise ConfigError(f"{key}: offload cannot be combined with segments; use every_n_layers or full instead")
     if policy.mode == "none" and policy.every_n_layers != 1:
-        raise ConfigError(f"{key}.every_n_layers: got {policy.every_n_layers} with mode 'none', which checkpoints nothing")
+        raise ConfigError(
+            f"{key}.every_n_layers: got {policy.every_n_layers} with mode 'none', which checkpoints nothing"
+        )
     if policy.mode == "none" and policy.offload:
         raise ConfigError(f"{key}.offload: mode 'none' keeps activations in place; to offload them use mode 'offload'")
     for override in policy.layers:

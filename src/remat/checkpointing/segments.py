@@ -83,7 +83,9 @@ class SegmentMember(Runner):
         self.segment = segment
         self.position = position
 
-    def __call__(self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __call__(
+        self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         return self.segment.run_call(self.position, inner, args, kwargs)
 
 
@@ -199,7 +201,9 @@ class _SegmentRun:
         if got == call.saved:
             return
         block = self.segment.names[self.start + index - self.segment.first] if self.segment.names else str(index)
-        first_diff = next((i for i, (a, b) in enumerate(zip(call.saved, got)) if a != b), min(len(got), len(call.saved)))
+        first_diff = next(
+            (i for i, (a, b) in enumerate(zip(call.saved, got)) if a != b), min(len(got), len(call.saved))
+        )
         raise CheckpointingError(
             f"segment {self.segment.first}-{self.segment.last}: replaying block {block} saved {len(got)} tensors, "
             f"the forward saved {len(call.saved)} (first difference at tensor {first_diff}); the block does not "

@@ -121,7 +121,9 @@ class Runner:
     kind: WrapKind
     recomputes: bool
 
-    def __call__(self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __call__(
+        self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         raise NotImplementedError
 
 
@@ -143,10 +145,13 @@ class CheckpointRunner(Runner):
     def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointRunner:
         return CheckpointRunner(self.context_fn, self.offload)  # the offload context is shared, not copied
 
-    def __call__(self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __call__(
+        self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         fn, args, kwargs = _input_as_positional(inner, args, kwargs)
         with self.offload if self.offload is not None else nullcontext():
-            if self.context_fn is None:  # no context_fn argument at all: what torch.compile's checkpoint support expects
+            # No context_fn argument at all without one: torch.compile's checkpoint support expects that.
+            if self.context_fn is None:
                 return checkpoint(fn, *args, use_reentrant=False, **kwargs)
             return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
@@ -163,7 +168,9 @@ class OffloadRunner(Runner):
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadRunner:
         return OffloadRunner(self.offload)  # the offload context is shared, not copied
 
-    def __call__(self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __call__(
+        self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         with self.offload:
             return inner(*args, **kwargs)
 
