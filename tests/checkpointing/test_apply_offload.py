@@ -3,6 +3,7 @@ is moved, that it comes back for backward, and that gradients are unchanged. (Th
 
 from __future__ import annotations
 
+import pytest
 import torch
 from ckpt_models import BATCH, SEQ, assert_same_grads, batch, step_grads, tiny_model
 from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
@@ -34,15 +35,17 @@ def test_offload_mode_moves_what_blocks_save_and_brings_it_back() -> None:
     assert stats.skipped["parameter"] > 0  # weights stay where they are
 
 
-def test_full_with_offload_moves_exactly_the_block_inputs() -> None:
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_with_offload_moves_exactly_the_block_inputs(mode: str) -> None:
     model = tiny_model("qwen3")
     ids = batch()
     expected = step_grads(model, ids)
     context = _copying_context(model)
-    apply_activation_checkpointing(model, {"mode": "full", "offload": True}, offload_context=context)
+    apply_activation_checkpointing(model, {"mode": mode, "offload": True}, offload_context=context)
     actual = step_grads(model, ids)
     assert_same_grads(expected, actual)
-    # full checkpointing keeps one hidden state per block; with offload those (and only those) go to the host
+    # checkpointing keeps one hidden state per block as its input; with offload those (and only those) go to the
+    # host (what selective caches inside the block bypasses saved-tensor hooks and stays where it is)
     assert context.stats.offloaded_tensors == LAYERS
     assert context.stats.offloaded_bytes == LAYERS * BATCH * SEQ * HIDDEN * 4
     assert context.stats.restored_tensors == LAYERS
