@@ -1,8 +1,10 @@
-"""``remat finetune RECIPE [--dotted.key VALUE ...]``: validate a recipe and train."""
+"""``remat finetune RECIPE [--nproc-per-node N ...] [--dotted.key VALUE ...]``: validate a recipe and train, in this
+process or in worker processes started by torchrun."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from pydantic import BaseModel
@@ -16,10 +18,16 @@ name, e.g.:
   remat finetune examples/quickstart.yaml --distributed.activation_checkpointing=selective
   remat finetune examples/quickstart.yaml --distributed.activation_checkpointing '{mode: full, every_n_layers: 2}'
 Values are read as YAML (true, 3e-4, [a, b], {k: v}). The recipe is validated before anything is built.
+
+Several processes (distributed.strategy ddp or fsdp2) are started through torchrun:
+  remat finetune examples/fsdp2_quickstart.yaml --nproc-per-node 2
+  remat finetune recipe.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
+A recipe already running under torchrun (torchrun ... -m remat.cli finetune recipe.yaml) is not launched again.
 """
 
 
 def register(subparsers: Any) -> None:
+    from remat.distributed.launch import add_launch_arguments
     from remat.recipes.config import RecipeConfig
 
     parser = subparsers.add_parser(
@@ -30,11 +38,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("recipe", help="path of the YAML recipe (see examples/ and docs/recipes.md)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the validated recipe with every default filled in, then exit")
+    add_launch_arguments(parser)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
+    from remat.distributed.env import ProcessEnv
+    from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
+    from remat.distributed.setup import validate_settings
     from remat.recipes.finetune import FinetuneRecipe
     from remat.recipes.loader import load_recipe
 
@@ -42,7 +54,22 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
         return 0
-    FinetuneRecipe(cfg).run()
+    options = LaunchOptions.from_namespace(args)
+    if check_launch_environment(options):
+        world_size = options.num_processes()
+        if world_size is not None:  # say what is wrong once, before any worker starts
+            section = cfg.distributed
+            validate_settings(section.strategy, section.activation_checkpointing, section.dp_size, section.tp_size,
+                              section.cp_size, world_size=world_size)
+        worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
+        return launch(options, worker)
+    if ProcessEnv.from_environ().rank != 0:  # only rank 0 reports; the others say only what goes wrong
+        logging.getLogger("remat").setLevel(logging.WARNING)
+    recipe = FinetuneRecipe(cfg)
+    try:
+        recipe.run()
+    finally:
+        recipe.dist.close()
     return 0
 
 

@@ -1,5 +1,7 @@
-"""Distributed setup: one process today; DDP and FSDP2 through torchrun next."""
+"""Distributed training: one process, DDP or FSDP2 (+ tensor parallelism), launched through torchrun."""
 
-from remat.distributed.setup import DistributedSetup
+from remat.distributed.env import ProcessEnv, under_torchrun
+from remat.distributed.grad_norm import clip_grad_norm, total_grad_norm
+from remat.distributed.setup import STRATEGIES, DistributedSetup
 
-__all__ = ["DistributedSetup"]
+__all__ = ["STRATEGIES", "DistributedSetup", "ProcessEnv", "clip_grad_norm", "total_grad_norm", "under_torchrun"]

@@ -1,43 +1,66 @@
 """``DistributedSetup``: how the model is spread over processes, and the order in which memory savers are applied.
 
-Order of application in ``parallelize``: activation checkpointing first (it wraps transformer blocks), then the
-parallel wrapper of the strategy. Only ``single`` (one process) is implemented so far; ``ddp`` and ``fsdp2`` are
-accepted by the schema so recipes written for them validate, and fail here with a clear message.
+Strategies:
+- ``single``: one process, one device;
+- ``ddp``: every rank holds the whole model; gradients are all-reduced (``DistributedDataParallel``);
+- ``fsdp2``: parameters, gradients and optimizer state are sharded over the data-parallel ranks (``fully_shard``
+  per transformer block and at the root), optionally with tensor parallelism inside the blocks (``tp_size``).
+
+``parallelize`` applies, in this order: activation checkpointing (it wraps the transformer blocks), tensor
+parallelism, ``fully_shard`` per block then at the root (FSDP2), or the DDP wrapper. Processes are started by
+torchrun (``remat finetune RECIPE --nproc-per-node N``); ``build`` joins the process group from its environment
+(NCCL on CUDA, gloo on the CPU) and lays the ranks out on a device mesh ``(dp, tp)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, parse_policy
-from remat.errors import ConfigError
+from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy
+from remat.distributed.env import ProcessEnv, default_device, init_process_group
+from remat.errors import CheckpointingError, ConfigError
 
 logger = logging.getLogger(__name__)
 
 Strategy = Literal["single", "ddp", "fsdp2"]
 STRATEGIES: tuple[str, ...] = ("single", "ddp", "fsdp2")
-IMPLEMENTED: tuple[str, ...] = ("single",)
+MIXED_PRECISION: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 
 @dataclass
 class DistributedSetup:
-    """The parallelism of a run. Build it with ``DistributedSetup.build(...)``, then ``model = setup.parallelize(model)``."""
+    """The parallelism of a run. Build it with ``DistributedSetup.build(...)``, then ``model = setup.parallelize(model)``.
+
+    ``dp_size`` x ``tp_size`` x ``cp_size`` = ``world_size``; ranks are laid out ``(dp, tp)`` with the tensor-parallel
+    ranks of a data-parallel replica adjacent (on the same node when the node holds ``tp_size`` ranks or more).
+    """
 
     strategy: Strategy = "single"
     activation_checkpointing: Any = False
     dp_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
+    mixed_precision: str | None = None
+    cpu_offload: bool = False
+    fsdp_reduce_every_micro_batch: bool = True
     rank: int = 0
+    local_rank: int = 0
     world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = torch.device("cpu")
+    mesh: Any = None
+    """The ``DeviceMesh`` with dimensions ``("dp",)`` or ``("dp", "tp")``; None for ``single``."""
     plan: CheckpointPlan | None = None
+    root: nn.Module | None = None
+    """The module ``parallelize`` returned (the DDP wrapper, or the FSDP2 root)."""
+    owns_process_group: bool = False
 
     @classmethod
     def build(
@@ -47,39 +70,261 @@ class DistributedSetup:
         dp_size: int | None = None,
         tp_size: int = 1,
         cp_size: int = 1,
+        mixed_precision: str | None = None,
+        cpu_offload: bool = False,
+        *,
+        fsdp_reduce_every_micro_batch: bool = True,
         device: str | torch.device | None = None,
     ) -> DistributedSetup:
-        """Validate the settings against the environment (e.g. torchrun's ``WORLD_SIZE``) and return the setup."""
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"distributed.strategy: got {strategy!r}; allowed: {', '.join(STRATEGIES)}")
-        parse_policy(activation_checkpointing, key="distributed.activation_checkpointing")
-        if strategy not in IMPLEMENTED:
-            raise ConfigError(
-                f"distributed.strategy: {strategy!r} is not available in this version of remat yet; "
-                f"use one of: {', '.join(IMPLEMENTED)}"
-            )
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if strategy == "single" and world_size != 1:
-            raise ConfigError(
-                f"distributed.strategy: 'single' runs one process, but this was launched with WORLD_SIZE={world_size}; "
-                "use strategy 'ddp' or 'fsdp2' for several processes"
-            )
-        for name, value in (("tp_size", tp_size), ("cp_size", cp_size), ("dp_size", dp_size or 1)):
-            if value != 1:
-                raise ConfigError(f"distributed.{name}: {value} needs several processes; strategy 'single' runs one")
-        resolved = torch.device(device) if device is not None else _default_device()
-        return cls(strategy=strategy, activation_checkpointing=activation_checkpointing, device=resolved)
+        """Validate the settings against the environment (torchrun's ``WORLD_SIZE``), join the process group and
+        lay out the device mesh.
+
+        ``mixed_precision`` (FSDP2 only): the dtype the sharded parameters are gathered and computed in
+        ("bfloat16", "float16"), gradients being reduced in float32; None keeps the parameters' dtype.
+        ``cpu_offload`` (FSDP2 only): keep the parameter shards, gradients and optimizer state in host memory.
+        ``fsdp_reduce_every_micro_batch``: FSDP2 reduce-scatters the gradients after every micro-batch (only sharded
+        gradients are kept); False defers it to the last micro-batch of a step (less communication, but the
+        unsharded gradients are held in between). DDP always synchronises on the last micro-batch only.
+        """
+        env = ProcessEnv.from_environ()
+        dp = validate_settings(strategy, activation_checkpointing, dp_size, tp_size, cp_size, mixed_precision,
+                               cpu_offload, world_size=env.world_size)
+        resolved = torch.device(device) if device is not None else default_device(env.local_rank)
+        setup = cls(strategy=strategy, activation_checkpointing=activation_checkpointing, dp_size=dp,
+                    tp_size=tp_size, cp_size=cp_size, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                    fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch, rank=env.rank,
+                    local_rank=env.local_rank, world_size=env.world_size, device=resolved)
+        if strategy != "single":
+            setup.owns_process_group = init_process_group(env, resolved)
+            setup.mesh = _device_mesh(resolved, dp, tp_size)
+        return setup
+
+    # ------------------------------------------------------------------------------------------------ layout
 
     @property
     def is_main_process(self) -> bool:
+        """Rank 0: the process that prints, writes metrics and publishes checkpoints."""
         return self.rank == 0
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply activation checkpointing (recorded in ``self.plan``), then the strategy's wrapper; returns the model."""
+    @property
+    def is_distributed(self) -> bool:
+        """Whether a process group is in use (``ddp`` / ``fsdp2``, even with one rank)."""
+        return self.mesh is not None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (which shard of each global batch it reads)."""
+        return int(self.mesh["dp"].get_local_rank()) if self.mesh is not None else 0
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of the data-parallel ranks (None for ``single``)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    def describe(self) -> str:
+        """One line for the run log, e.g. ``fsdp2 over 4 processes (dp 2 x tp 2), backend gloo, device cpu``."""
+        if not self.is_distributed:
+            return f"single process on {self.device}"
+        layout = f"dp {self.dp_size}" + (f" x tp {self.tp_size}" if self.tp_size > 1 else "")
+        extras = [f"mixed precision {self.mixed_precision}"] if self.mixed_precision else []
+        extras += ["cpu offload"] if self.cpu_offload else []
+        return (f"{self.strategy} over {self.world_size} process{'es' if self.world_size > 1 else ''} ({layout}), "
+                f"backend {dist.get_backend()}, device {self.device.type}" + "".join(f", {e}" for e in extras))
+
+    # ------------------------------------------------------------------------------------------------ model
+
+    def parallelize(self, model: nn.Module, *, root: nn.Module | None = None) -> nn.Module:
+        """Apply activation checkpointing (recorded in ``self.plan``), tensor parallelism, then the strategy's
+        wrapper; returns the module a training step calls.
+
+        ``root`` is an optional module that contains ``model`` and whose forward the training step calls instead
+        (for example one that runs the decoder and the loss together, see ``remat.recipes.model_loss``): FSDP2 then
+        gathers the parameters outside the blocks (embeddings, final norm, output head) around *its* forward, and
+        DDP synchronises gradients of whatever it uses. Without it, ``model`` is the root.
+        """
+        top = root if root is not None else model
+        if root is not None and not any(m is model for m in root.modules()):
+            raise ValueError("parallelize: `root` must contain `model` as a submodule")
+        model.to(self.device)
         policy = parse_policy(self.activation_checkpointing, key="distributed.activation_checkpointing")
         self.plan = apply_activation_checkpointing(model, policy)
-        return model.to(self.device)
+        if self.strategy == "single":
+            self.root = top
+        elif self.strategy == "ddp":
+            self.root = self._wrap_ddp(model, top)
+        else:
+            self.root = self._shard_fsdp2(model, top, policy.block_pattern)
+        return self.root
+
+    def _blocks(self, model: nn.Module, block_pattern: str | None) -> list[nn.Module]:
+        try:
+            return [block.module for block in find_blocks(model, block_pattern).blocks]
+        except CheckpointingError as err:
+            if self.tp_size > 1:
+                raise ConfigError(f"distributed.tp_size: {self.tp_size} needs the model's transformer blocks, but "
+                                  f"none were found: {err}") from err
+            logger.warning("fsdp2: no transformer blocks found (%s); the whole model is one FSDP unit", err)
+            return []
+
+    def _shard_fsdp2(self, model: nn.Module, top: nn.Module, block_pattern: str | None) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        blocks = self._blocks(model, block_pattern)
+        if self.tp_size > 1:
+            from remat.distributed.tensor_parallel import apply_tensor_parallel
+
+            split = apply_tensor_parallel(_text_config(model), blocks, self.mesh["tp"])
+            logger.info("tensor parallel: %d linear layers split over %d ranks", split, self.tp_size)
+        options: dict[str, Any] = {"mesh": self.mesh["dp"]}
+        if self.mixed_precision is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.mixed_precision),
+                                                        reduce_dtype=torch.float32)
+        options["offload_policy"] = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload
+                                     else OffloadPolicy())
+        for index, block in enumerate(blocks):
+            # The last block's parameters are needed again at once by backward: keep them gathered.
+            fully_shard(block, reshard_after_forward=index < len(blocks) - 1, **options)
+        fully_shard(top, **options)
+        return top
+
+    def _wrap_ddp(self, model: nn.Module, top: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        try:
+            moe = any(block.is_moe for block in find_blocks(model).blocks)
+        except CheckpointingError:
+            moe = any(is_moe_block(module) for module in model.children())
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Routed experts that receive no token in a step get no gradient: DDP must then look for unused ones.
+        return DistributedDataParallel(top, device_ids=device_ids, process_group=self.dp_group,
+                                       find_unused_parameters=moe)
+
+    # ------------------------------------------------------------------------------------------------ training
+
+    @contextlib.contextmanager
+    def gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Around forward+backward of a micro-batch: ``enabled=False`` skips the gradient synchronisation (all
+        micro-batches of a step but the last), so gradients accumulate locally first (DDP ``no_sync``; FSDP2
+        ``set_requires_gradient_sync`` when ``fsdp_reduce_every_micro_batch`` is False)."""
+        root = self.root
+        if enabled or root is None or self.strategy == "single":
+            yield
+            return
+        if self.strategy == "ddp":
+            with root.no_sync():  # type: ignore[operator]
+                yield
+            return
+        if self.fsdp_reduce_every_micro_batch:
+            yield
+            return
+        root.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def reshard(self) -> None:
+        """Free the gathered parameters FSDP2 kept after a forward without backward (evaluation): the root and the
+        last block keep theirs after forward, expecting backward to follow. No-op for other strategies."""
+        if self.strategy != "fsdp2" or self.root is None:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def sum_over_dp(self, values: list[float]) -> list[float]:
+        """Element-wise sums of ``values`` over the data-parallel ranks (unchanged for ``single``); float64."""
+        if not self.is_distributed:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return tensor.tolist()
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on at least one (e.g. a stop request seen by one process)."""
+        if not self.is_distributed:
+            return flag
+        tensor = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+    @contextlib.contextmanager
+    def local_main_first(self) -> Iterator[None]:
+        """Run the block on each node's local rank 0 first (filling caches such as the tokenizer's), then on the
+        other ranks, which then read what it wrote."""
+        if not self.is_distributed:
+            yield
+            return
+        if self.local_rank != 0:
+            dist.barrier()
+        yield
+        if self.local_rank == 0:
+            dist.barrier()
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for ``single``)."""
+        if self.is_distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group if ``build`` created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
 
 
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def validate_settings(strategy: str = "single", activation_checkpointing: Any = False, dp_size: int | None = None,
+                      tp_size: int = 1, cp_size: int = 1, mixed_precision: str | None = None,
+                      cpu_offload: bool = False, *, world_size: int) -> int:
+    """Check the ``distributed`` settings against ``world_size`` processes (ConfigError naming the key); return the
+    data-parallel size. Used by ``build`` and, before any process is started, by the launcher."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"distributed.strategy: got {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    parse_policy(activation_checkpointing, key="distributed.activation_checkpointing")
+    for name, value in (("dp_size", dp_size), ("tp_size", tp_size), ("cp_size", cp_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"distributed.{name}: got {value!r}; allowed: a positive integer")
+    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(f"distributed.mixed_precision: got {mixed_precision!r}; allowed: null, "
+                          f"{', '.join(MIXED_PRECISION)}")
+    if strategy == "single":
+        if world_size != 1:
+            raise ConfigError(
+                f"distributed.strategy: 'single' runs one process, but the launch has {world_size} (WORLD_SIZE="
+                f"{world_size}); allowed for several processes: 'ddp' or 'fsdp2'")
+        for name, value in (("dp_size", dp_size or 1), ("tp_size", tp_size), ("cp_size", cp_size)):
+            if value != 1:
+                raise ConfigError(f"distributed.{name}: {value} needs several processes; strategy 'single' runs one")
+    if strategy != "fsdp2":
+        for name, value, allowed in (("mixed_precision", mixed_precision, "null (use model.autocast)"),
+                                     ("cpu_offload", cpu_offload, "false"), ("tp_size", tp_size, "1")):
+            if value not in (None, False, 1):
+                raise ConfigError(f"distributed.{name}: {value!r} needs strategy 'fsdp2' (got {strategy!r}); "
+                                  f"allowed with {strategy!r}: {allowed}")
+    if cp_size != 1:
+        raise ConfigError(f"distributed.cp_size: got {cp_size}; context parallelism is not supported by remat yet "
+                          "(allowed: 1)")
+    dp = dp_size if dp_size is not None else max(world_size // (tp_size * cp_size), 1)
+    if dp * tp_size * cp_size != world_size:
+        raise ConfigError(
+            f"distributed.dp_size x tp_size x cp_size = {dp} x {tp_size} x {cp_size} = {dp * tp_size * cp_size}, "
+            f"but the launch has {world_size} process{'es' if world_size != 1 else ''} (WORLD_SIZE); allowed: "
+            "sizes whose product is the number of processes (leave dp_size out to derive it)")
+    return dp
+
+
+def _device_mesh(device: torch.device, dp: int, tp: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp > 1:
+        return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
+
+
+def _text_config(model: nn.Module) -> Any:
+    from remat.checkpointing import find_decoder
+
+    config = getattr(find_decoder(model), "config", None) or getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

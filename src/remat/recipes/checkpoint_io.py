@@ -1,4 +1,4 @@
-"""Atomic, resumable training checkpoints (single process).
+"""Atomic, resumable training checkpoints (single process; DDP writes them from rank 0).
 
 Layout of one checkpoint, ``<root>/step_<N>/``::
 
@@ -9,13 +9,14 @@ Layout of one checkpoint, ``<root>/step_<N>/``::
     scheduler.pt        lr_scheduler.state_dict()          (if a scheduler was given)
     train_state.json    the caller's `train_state` (step, epoch, data position, config: JSON types)
     rng_state.pt        torch CPU/CUDA, python `random` and numpy generator states
-    COMPLETE.json       written last: format, step and the size of every file above
+    COMPLETE.json       written last: format, layout ("single"), step and the size of every file above
 
 Everything is written into ``<root>/.tmp-step_<N>-<pid>/``, flushed to disk, and renamed to ``step_<N>`` in one
 step; then ``<root>/latest`` (one line: ``step_<N>``) is replaced atomically and older checkpoints beyond
 `keep_last` are removed. A crash at any point leaves `latest` on a complete checkpoint; temporary and
 incomplete directories are never picked up. One writer per root is assumed. The helpers are small so that a
-sharded (torch.distributed.checkpoint) variant can reuse the directory protocol beside them.
+sharded (torch.distributed.checkpoint) variant, `remat.recipes.checkpoint_sharded`, reuses the directory protocol
+(its marker says layout "sharded"); `checkpoint_layout` tells the two apart.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 TRAIN_STATE_FILE = "train_state.json"
 RNG_STATE_FILE = "rng_state.pt"
+LAYOUT_SINGLE = "single"
+LAYOUT_SHARDED = "sharded"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TEMP_DIR = re.compile(r"^\.tmp-step_\d+-(\d+)$")
@@ -146,6 +149,15 @@ def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
     return True
 
 
+def checkpoint_layout(path: str | os.PathLike[str]) -> str:
+    """``"single"`` (this module's format) or ``"sharded"`` (torch.distributed.checkpoint, written by FSDP2 runs) for
+    a complete checkpoint directory; ConfigError if `path` is not one."""
+    marker = _read_marker(Path(path)) if is_complete_checkpoint(path) else None
+    if marker is None:
+        raise ConfigError(f"checkpoint path {str(path)!r} is not a complete checkpoint (no valid {COMPLETE_MARKER}).")
+    return str(marker.get("layout", LAYOUT_SINGLE))
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -160,6 +172,12 @@ def load_checkpoint(
     path = _resolve_checkpoint(Path(path))
     marker = _read_marker(path)
     assert marker is not None  # _resolve_checkpoint only returns complete checkpoints
+    if marker.get("layout", LAYOUT_SINGLE) != LAYOUT_SINGLE:
+        raise ConfigError(
+            f"checkpoint {path} is {marker.get('layout')} (torch.distributed.checkpoint, written by an fsdp2 run); "
+            "load it with remat.recipes.checkpoint_sharded.load_sharded_checkpoint, or use its model/ export as "
+            "model.pretrained_model_name_or_path."
+        )
     inner = _unwrap(model)
     is_peft = _is_peft_model(inner)
     if is_peft != bool(marker.get("peft")):
@@ -247,9 +265,10 @@ def _write_contents(
     _fsync_tree(directory)
 
 
-def _save_hf_model(model: PreTrainedModel, directory: Path) -> None:
+def _save_hf_model(model: PreTrainedModel, directory: Path, state_dict: dict[str, Any] | None = None) -> None:
+    """`save_pretrained` of `model` (with `state_dict` instead of the model's own tensors when given)."""
     with _quiet_progress_bars():
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, state_dict=state_dict)
     _enable_cache_in_export(directory / "config.json")
 
 
@@ -294,11 +313,12 @@ def _to_json(train_state: dict[str, Any]) -> str:
         raise TypeError(f"train_state must hold JSON types only (dict, list, str, numbers, bool, None): {err}") from err
 
 
-def _write_marker(directory: Path, step: int, *, peft: bool) -> None:
+def _write_marker(directory: Path, step: int, *, peft: bool, layout: str = LAYOUT_SINGLE,
+                  extra: dict[str, Any] | None = None) -> None:
     files = {
         p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()
     }
-    marker = {"format": FORMAT_VERSION, "step": step, "peft": peft, "files": files}
+    marker = {"format": FORMAT_VERSION, "layout": layout, "step": step, "peft": peft, **(extra or {}), "files": files}
     (directory / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 

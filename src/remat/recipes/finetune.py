@@ -4,12 +4,17 @@
 micro-batches of one global batch, count their label tokens, run forward+backward on each (the loss is normalised by
 the step's total label tokens, so accumulation equals one big batch), clip, step, log one line, and maybe validate
 and save. SIGTERM/SIGINT finish the current step, save a checkpoint and stop cleanly.
+
+Under torchrun (``distributed.strategy`` ddp or fsdp2) every rank runs this loop on its own shard of each global
+batch: the label-token count that normalises the loss is summed over the data-parallel ranks first, so the loss and
+gradients equal those of one process taking the whole global batch; the logged loss is the global mean, ``tps`` the
+global throughput and ``mem`` the maximum over ranks; only rank 0 prints and writes metrics. Stop requests are agreed
+on by all ranks, and checkpoints are sharded (fsdp2, torch.distributed.checkpoint) or written by rank 0 (ddp).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import time
@@ -22,12 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.data import StatefulBatchIterator, build_dataset, build_tokenizer
-from remat.distributed import DistributedSetup
+from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
+from remat.data.loader import collate
+from remat.distributed import DistributedSetup, clip_grad_norm
 from remat.errors import ConfigError
-from remat.memory import StepMemoryMeter
+from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import build_model, count_parameters
-from remat.recipes.checkpoint_io import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from remat.recipes.checkpoint_io import (
+    LAYOUT_SHARDED,
+    checkpoint_layout,
+    checkpoint_name,
+    find_latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from remat.recipes.checkpoint_sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from remat.recipes.config import PeftConfig, RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import CausalLMLoss, count_label_tokens
@@ -63,11 +77,11 @@ class FinetuneRecipe:
         self.cfg = cfg
         self.callbacks: list[StepCallback] = list(callbacks or [])
         self._stop_reason: str | None = None
-        dist = cfg.distributed
-        self.dist = DistributedSetup.build(
-            strategy=dist.strategy, activation_checkpointing=dist.activation_checkpointing,
-            dp_size=dist.dp_size, tp_size=dist.tp_size, cp_size=dist.cp_size,
-        )
+        # Every key of the `distributed` section is an argument of DistributedSetup.build.
+        self.dist = DistributedSetup.build(**cfg.distributed.model_dump())
+        if cfg.peft is not None and self.dist.strategy == "fsdp2":
+            raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
+                              "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
         sched = cfg.step_scheduler
@@ -75,7 +89,9 @@ class FinetuneRecipe:
         if self.grad_accumulation * sched.local_batch_size * self.dist.dp_size != sched.global_batch_size:
             raise ConfigError(
                 f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-                f"({sched.local_batch_size}) x dp_size ({self.dist.dp_size}) x an integer number of accumulation steps"
+                f"({sched.local_batch_size}) x dp_size ({self.dist.dp_size}, of {self.dist.world_size} processes) x "
+                f"an integer number of accumulation steps; allowed: a multiple of "
+                f"{sched.local_batch_size * self.dist.dp_size}"
             )
 
     # ------------------------------------------------------------------------------------------------ building
@@ -84,27 +100,31 @@ class FinetuneRecipe:
         """Build tokenizer, data, model (+LoRA, checkpointing), optimizer, schedule and loss; resume if asked."""
         cfg = self.cfg
         _seed_everything(cfg.seed)
-        self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
-        self.train_data = build_dataset(cfg.dataset, self.tokenizer, default_split="train", key_prefix="dataset")
-        self.val_data = (
-            build_dataset(cfg.validation_dataset, self.tokenizer, default_split="validation",
-                          key_prefix="validation_dataset")
-            if cfg.validation_dataset is not None else None
-        )
+        with self.dist.local_main_first():  # one process per node trains/caches the tokenizer, the others load it
+            self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
+            self.train_data = build_dataset(cfg.dataset, self.tokenizer, default_split="train", key_prefix="dataset")
+            self.val_data = (
+                build_dataset(cfg.validation_dataset, self.tokenizer, default_split="validation",
+                              key_prefix="validation_dataset")
+                if cfg.validation_dataset is not None else None
+            )
         model = build_model(cfg.model, vocab_size=len(self.tokenizer), device=str(self.dist.device))
         if cfg.peft is not None:
             model = _apply_lora(model, cfg.peft)
-        self.model = self.dist.parallelize(model)
+        loss_fn = build_target(cfg.loss_fn.target, cfg.loss_fn.kwargs, key="loss_fn._target_",
+                               allow_custom=cfg.allow_custom_targets)
+        # The loss module is the root that DDP / FSDP2 wrap, so the loss (fused: with the output head's whole weight)
+        # runs inside the wrapper's forward; `self.model` stays the transformers (or peft) model, for saving.
+        self.model = model
+        self.compute_loss = self.dist.parallelize(
+            model, root=CausalLMLoss(model, loss_fn, use_hidden_states=cfg.model.output_hidden_states))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_target(cfg.optimizer.target, cfg.optimizer.kwargs, key="optimizer._target_",
                                       allow_custom=cfg.allow_custom_targets, params=trainable)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.step_scheduler.max_steps)
-        loss_fn = build_target(cfg.loss_fn.target, cfg.loss_fn.kwargs, key="loss_fn._target_",
-                               allow_custom=cfg.allow_custom_targets)
-        self.compute_loss = CausalLMLoss(self.model, loss_fn, use_hidden_states=cfg.model.output_hidden_states)
         self.batches = StatefulBatchIterator(
             self.train_data, cfg.step_scheduler.local_batch_size, shuffle=cfg.dataset.shuffle, seed=cfg.seed,
-            rank=self.dist.rank, world_size=self.dist.dp_size,
+            rank=self.dist.dp_rank, world_size=self.dist.dp_size,
         )
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
         self.step = 0
@@ -129,7 +149,7 @@ class FinetuneRecipe:
         if not path.is_dir():
             raise ConfigError(f"checkpoint.resume: {ckpt.resume!r} is not a checkpoint directory; "
                               "allowed: auto, never, or the path of a step_N checkpoint")
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+        state = self._load(path)
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
         return path
@@ -152,7 +172,7 @@ class FinetuneRecipe:
                               f"{max_steps}; raise step_scheduler.max_steps or use a new output_dir to train more")
                 return result
             self.model.train()
-            while self.step < max_steps and self._stop_reason is None:
+            while self.step < max_steps and not self._stop_agreed():
                 record = self._train_step()
                 result.records.append(record)
                 reporter.step(record)
@@ -178,66 +198,95 @@ class FinetuneRecipe:
         """Finish the current step, save a checkpoint and return from ``run`` (used by signal handlers)."""
         self._stop_reason = reason
 
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop; all ranks then stop after the same step (and save together)."""
+        if self.dist.any_rank(self._stop_reason is not None) and self._stop_reason is None:
+            self._stop_reason = "stop requested on another rank"
+        return self._stop_reason is not None
+
     def _train_step(self) -> StepRecord:
         start = time.perf_counter()
         micro_batches = [self._to_device(next(self.batches)) for _ in range(self.grad_accumulation)]
-        label_tokens = sum(count_label_tokens(b["labels"]) for b in micro_batches)
+        local_tokens = sum(count_label_tokens(b["labels"]) for b in micro_batches)
+        label_tokens = int(self.dist.sum_over_dp([local_tokens])[0])
+        # DDP and FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share of the global
+        # sum (divided by the global label-token count), so scaling by dp_size turns that average into the sum.
+        grad_scale = float(self.dist.dp_size)
         total_loss = torch.zeros((), dtype=torch.float32)
         with self.memory_meter.step():
-            for batch in micro_batches:
-                with self._autocast():
-                    loss = self.compute_loss(batch, num_label_tokens=max(label_tokens, 1))
-                loss.backward()
+            for index, batch in enumerate(micro_batches):
+                with self.dist.gradient_sync(enabled=index == len(micro_batches) - 1):
+                    with self._autocast():
+                        loss = self.compute_loss(batch, num_label_tokens=max(label_tokens, 1))
+                    (loss * grad_scale if grad_scale != 1.0 else loss).backward()
                 total_loss += loss.detach().float().cpu()
-            grad_norm = self._clip_gradients()
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.clip_grad_norm.max_norm)
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        global_loss = self.dist.sum_over_dp([float(total_loss)])[0]
+        reading = max_over_ranks(self.memory_meter.last)
         elapsed = time.perf_counter() - start
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dist.dp_size
-        reading = self.memory_meter.last
         return StepRecord(
-            step=self.step, epoch=self.batches.epoch, loss=float(total_loss), grad_norm=grad_norm,
+            step=self.step, epoch=self.batches.epoch, loss=global_loss, grad_norm=grad_norm,
             lr=lr, mem_bytes=reading.peak_bytes, mem_source=reading.source, tps=tokens / elapsed,
             num_label_tokens=label_tokens, step_time_s=elapsed,
         )
 
-    def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.clip_grad_norm.max_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
-        return float(norm)
-
     @torch.no_grad()
     def validate(self) -> tuple[float, int]:
-        """Mean loss per label token over the validation set (capped at ``step_scheduler.val_batches``)."""
+        """Mean loss per label token over the validation set (capped at ``step_scheduler.val_batches`` global
+        batches), each data-parallel rank evaluating its share of every batch; sums are taken over ranks."""
         assert self.val_data is not None
         self.model.eval()
-        loader = torch.utils.data.DataLoader(self.val_data, batch_size=self.cfg.step_scheduler.local_batch_size)
         total, tokens = 0.0, 0
-        for i, batch in enumerate(loader):
-            if self.cfg.step_scheduler.val_batches is not None and i >= self.cfg.step_scheduler.val_batches:
-                break
+        for batch in sharded_eval_batches(self.val_data, self.cfg.step_scheduler.local_batch_size,
+                                          rank=self.dist.dp_rank, world_size=self.dist.dp_size,
+                                          max_batches=self.cfg.step_scheduler.val_batches):
             batch = self._to_device(batch)
             with self._autocast():
                 # num_label_tokens=1 turns the mean into a sum, so batches of different sizes weigh correctly.
                 total += float(self.compute_loss(batch, num_label_tokens=1))
             tokens += count_label_tokens(batch["labels"])
+        self.dist.reshard()
         self.model.train()
-        return total / max(tokens, 1), tokens
+        total, global_tokens = self.dist.sum_over_dp([total, float(tokens)])
+        return total / max(global_tokens, 1.0), int(global_tokens)
 
     # ------------------------------------------------------------------------------------------------ helpers
 
     def _save(self, reporter: RunReporter) -> Path:
+        """Save on every rank together: sharded for fsdp2, from rank 0 in the single-process format otherwise."""
         train_state = {"step": self.step, "epoch": self.batches.epoch, "data": self.batches.state_dict(),
                        "config": self.cfg.model_dump(mode="json", by_alias=True)}
-        path = save_checkpoint(self.checkpoint_dir, self.step, model=self.model, optimizer=self.optimizer,
-                               lr_scheduler=self.lr_scheduler, train_state=train_state, tokenizer=self.tokenizer,
-                               keep_last=self.cfg.checkpoint.keep_last)
+        arguments: dict[str, Any] = {
+            "model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
+            "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,
+        }
+        if self.dist.strategy == "fsdp2":
+            path = save_sharded_checkpoint(self.checkpoint_dir, self.step, **arguments)
+        else:
+            path = self.checkpoint_dir / checkpoint_name(self.step)
+            if self.dist.is_main_process:
+                path = save_checkpoint(self.checkpoint_dir, self.step, **arguments)
+            self.dist.barrier()
         reporter.info(f"saved checkpoint {path}")
         return path
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
+        if checkpoint_layout(path) == LAYOUT_SHARDED:
+            return load_sharded_checkpoint(path, **states)
+        if self.dist.strategy == "fsdp2":
+            raise ConfigError(
+                f"checkpoint.resume: {path} was written by a single-process or ddp run, which fsdp2 cannot resume; "
+                "allowed: resume it with distributed.strategy ddp or single, or start from its model/ export as "
+                "model.pretrained_model_name_or_path"
+            )
+        return load_checkpoint(path, **states)
 
     def _report_setup(self, reporter: RunReporter) -> None:
         total, trainable = count_parameters(self.model), sum(
@@ -246,6 +295,7 @@ class FinetuneRecipe:
         reporter.info(f"model: {type(self.model).__name__}, {total / 1e6:.2f}M parameters "
                       f"({trainable / 1e6:.2f}M trainable), dtype {cfg.model.dtype}"
                       + (f", autocast {cfg.model.autocast}" if cfg.model.autocast else ""))
+        reporter.info(f"distributed: {self.dist.describe()}")
         reporter.info(f"data: {len(self.train_data)} rows of {cfg.dataset.seq_length} tokens; global batch "
                       f"{cfg.step_scheduler.global_batch_size} = local {cfg.step_scheduler.local_batch_size} x dp "
                       f"{self.dist.dp_size} x accumulation {self.grad_accumulation}")
@@ -253,7 +303,8 @@ class FinetuneRecipe:
         reporter.info("activation checkpointing: " + (plan.summary() if plan is not None else "off"))
         if plan is not None and len(plan):
             reporter.info(plan.table())
-        reporter.info(f"mem: {MEMORY_SOURCE_NOTES[self.memory_meter.source]}")
+        ranks = (f"; the maximum over the {self.dist.world_size} ranks" if self.dist.world_size > 1 else "")
+        reporter.info(f"mem: {MEMORY_SOURCE_NOTES[self.memory_meter.source]}{ranks}")
         if self.resumed_from is not None:
             reporter.info(f"resumed from {self.resumed_from} at step {self.step}")
 
@@ -265,6 +316,37 @@ class FinetuneRecipe:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.dist.device.type, dtype=getattr(torch, dtype))
+
+
+def sharded_eval_batches(
+    dataset: torch.utils.data.Dataset[dict[str, torch.Tensor]],
+    batch_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    max_batches: int | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's share of each evaluation batch, in order, without shuffling.
+
+    A global batch is ``batch_size x world_size`` consecutive rows and rank r takes the r-th slice. Every rank gets
+    the same number of batches, so collectives stay in step: a rank whose slice of the last batch is empty gets a
+    copy of row 0 whose labels are all ignored (no loss, no label tokens).
+    """
+    num_rows = len(dataset)  # type: ignore[arg-type]
+    global_batch = batch_size * world_size
+    num_batches = -(-num_rows // global_batch)
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+    for index in range(num_batches):
+        start = index * global_batch + rank * batch_size
+        rows = [dataset[i] for i in range(start, min(start + batch_size, num_rows))]
+        if not rows and num_rows:
+            rows = [_ignored(dataset[0])]
+        yield collate(rows)
+
+
+def _ignored(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {**row, "labels": torch.full_like(row["labels"], IGNORE_INDEX)}
 
 
 def _apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:

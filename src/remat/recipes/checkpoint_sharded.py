@@ -1,0 +1,216 @@
+"""Sharded training checkpoints with torch.distributed.checkpoint (DCP), for FSDP2 runs.
+
+Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.recipes.checkpoint_io`)::
+
+    dcp/                    model and optimizer state, each rank writing its own shards (DCP's format)
+    model/                  the whole model in transformers' format (gathered to rank 0): AutoModelForCausalLM loads it
+    scheduler.pt            lr_scheduler.state_dict()            (if a scheduler was given)
+    train_state.json        the caller's `train_state`
+    rng/rank_<r>.pt         every rank's random generator states
+    COMPLETE.json           written last by rank 0: format, layout "sharded", world size, step, file sizes
+
+All ranks write into one temporary directory (its name chosen by rank 0 and broadcast), then rank 0, after a
+barrier, writes the marker, renames the directory to ``step_<N>``, points ``latest`` at it and prunes old ones; the
+other ranks wait for that. The directory must be on a file system every rank sees.
+
+The state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (fully qualified parameter names,
+DTensor shards), so a checkpoint loads onto a different number of ranks, or into a single process, as DCP reshards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from transformers import PreTrainedModel
+
+from remat.errors import ConfigError
+from remat.recipes.checkpoint_io import (
+    LAYOUT_SHARDED,
+    LATEST_FILE,
+    MODEL_DIR,
+    SCHEDULER_FILE,
+    TRAIN_STATE_FILE,
+    _atomic_write_text,
+    _check_save_arguments,
+    _fsync_tree,
+    _is_peft_model,
+    _prune,
+    _publish,
+    _read_marker,
+    _remove_stale_work_dirs,
+    _resolve_checkpoint,
+    _save_hf_model,
+    _save_tokenizer,
+    _to_json,
+    _unwrap,
+    _write_marker,
+    capture_rng_state,
+    checkpoint_name,
+    restore_rng_state,
+)
+
+DCP_DIR = "dcp"
+RNG_DIR = "rng"
+
+
+def save_sharded_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any | None = None,
+    train_state: dict[str, Any],
+    tokenizer: Any | None = None,
+    keep_last: int | None = 2,
+    export_model: bool = True,
+) -> Path:
+    """Write ``root/step_<step>`` from every rank (a collective: all ranks call it); returns its path on every rank.
+
+    `model` is the transformers model whose parameters FSDP2 sharded (not a DDP wrapper). `export_model` also
+    gathers the whole model to rank 0 and writes it in transformers' format under ``model/``.
+    """
+    _check_save_arguments(step, keep_last)
+    inner = _unwrap(model)
+    if _is_peft_model(inner):
+        raise ConfigError("peft: sharded (fsdp2) checkpoints of peft models are not supported yet; allowed: "
+                          "distributed.strategy ddp or single with peft")
+    root = Path(root)
+    tmp = _agree_on_temp_dir(root, step)
+    try:
+        model_state, optim_state = _state_dicts(inner, optimizer)
+        dcp.save({"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})},
+                 checkpoint_id=tmp / DCP_DIR, no_dist=not dist.is_initialized())
+        if export_model:
+            export_full_model(inner, tmp / MODEL_DIR, tokenizer=tokenizer)
+        _write_rank_files(tmp, lr_scheduler, train_state)
+        _barrier()
+        final = root / checkpoint_name(step)
+        if _rank() == 0:
+            _write_marker(tmp, step, peft=False, layout=LAYOUT_SHARDED, extra={"world_size": _world_size()})
+            _fsync_tree(tmp)
+            _publish(tmp, final)
+            _atomic_write_text(root / LATEST_FILE, final.name + "\n")
+            if keep_last is not None:
+                _prune(root, keep_last, keep=final)
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier()
+    return final
+
+
+def load_sharded_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any | None = None,
+) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG state from a sharded checkpoint; return the train
+    state. Works on any number of ranks (FSDP2), or in one process without a process group (DCP reshards)."""
+    path = _resolve_checkpoint(Path(path))
+    marker = _read_marker(path)
+    assert marker is not None
+    if marker.get("layout") != LAYOUT_SHARDED:
+        raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
+                          "remat.recipes.checkpoint_io.load_checkpoint")
+    inner = _unwrap(model)
+    model_state, optim_state = _state_dicts(inner, optimizer)
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optim_state
+    try:
+        dcp.load(state, checkpoint_id=path / DCP_DIR, no_dist=not dist.is_initialized())
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise ConfigError(f"checkpoint {path} does not fit this model/optimizer: {err}; build them the same way "
+                          "as the run that saved it") from err
+    if optimizer is not None:
+        set_state_dict(inner, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_state_dict(inner, (), model_state_dict=state["model"], optim_state_dict={})
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    rng_file = path / RNG_DIR / f"rank_{_rank()}.pt"
+    if not rng_file.is_file():  # fewer ranks saved than now load: take rank 0's generators
+        rng_file = path / RNG_DIR / "rank_0.pt"
+    restore_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+    return json.loads((path / TRAIN_STATE_FILE).read_text())
+
+
+def export_full_model(model: nn.Module, directory: Path, *, tokenizer: Any | None = None) -> None:
+    """Gather the whole model (a collective) and write it on rank 0 with ``save_pretrained`` into `directory`."""
+    inner = _unwrap(model)
+    if not isinstance(inner, PreTrainedModel):
+        raise TypeError(f"export_full_model needs a transformers model; got {type(inner).__name__}")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(inner, options=options)
+    if _rank() == 0:
+        _save_hf_model(inner, directory, state_dict=full)
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, directory)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    if optimizer is None:
+        return get_model_state_dict(model), {}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return model_state, optim_state
+
+
+def _agree_on_temp_dir(root: Path, step: int) -> Path:
+    """Rank 0 clears stale work directories and names the temporary directory; every rank gets the same name."""
+    names: list[Any] = [None]
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_work_dirs(root)
+        tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        names[0] = str(tmp)
+    if _world_size() > 1:
+        dist.broadcast_object_list(names, src=0)
+    return Path(names[0])
+
+
+def _write_rank_files(directory: Path, lr_scheduler: Any | None, train_state: dict[str, Any]) -> None:
+    rng_dir = directory / RNG_DIR
+    rng_dir.mkdir(exist_ok=True)
+    torch.save(capture_rng_state(), rng_dir / f"rank_{_rank()}.pt")
+    if _rank() != 0:
+        return
+    if lr_scheduler is not None:
+        torch.save(lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
+    (directory / TRAIN_STATE_FILE).write_text(_to_json(train_state))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+

@@ -1,0 +1,64 @@
+"""Tiny recipes shared by the distributed tests and the worker script torchrun starts (same data, same model)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+TINY_MODEL = {"preset": "tiny-llama",
+              "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2}}
+GLOBAL_BATCH = 8
+WORLD_SIZE = 2
+
+#: name -> (strategy, activation checkpointing, fused loss, tied embeddings, tp_size). Every case trains the same
+#: global batches as the single-process run of the same model and loss (`reference_key`).
+PARITY_CASES: dict[str, tuple[str, Any, bool, bool, int]] = {
+    "fsdp2-none": ("fsdp2", False, False, True, 1),
+    "fsdp2-full": ("fsdp2", "full", False, True, 1),
+    "fsdp2-selective": ("fsdp2", "selective", False, True, 1),
+    "fsdp2-fused": ("fsdp2", "full", True, False, 1),
+    "fsdp2-fused-tied": ("fsdp2", "selective", True, True, 1),
+    "fsdp2-tp2": ("fsdp2", "full", False, True, 2),
+    "ddp-none": ("ddp", False, False, True, 1),
+    "ddp-full": ("ddp", "full", False, True, 1),
+    "ddp-selective": ("ddp", "selective", False, True, 1),
+    "ddp-fused": ("ddp", "selective", True, False, 1),
+}
+
+
+def reference_key(case: str) -> tuple[bool, bool]:
+    """(fused, tied): what the single-process reference of a parity case trains."""
+    _, _, fused, tied, _ = PARITY_CASES[case]
+    return fused, tied
+
+
+def tiny_recipe(output_dir: Path, *, strategy: str = "single", checkpointing: Any = False, fused: bool = False,
+                tied: bool = True, tp_size: int = 1, max_steps: int = 4, **sections: Any) -> dict[str, Any]:
+    """A recipe of 2-layer, hidden-64 Llama steps over global batches of 8 rows of 32 tokens (2 accumulation steps
+    per rank: local batch 2 on each of 2 data-parallel ranks, 4 in a single process)."""
+    data_parallel = WORLD_SIZE // tp_size if strategy != "single" else 1
+    model = copy.deepcopy(TINY_MODEL)
+    model["config"]["tie_word_embeddings"] = tied
+    if fused:
+        model["output_hidden_states"] = True
+    recipe: dict[str, Any] = {
+        "seed": 11,
+        "output_dir": str(output_dir),
+        "model": model,
+        "tokenizer": {"vocab_size": 512},
+        "dataset": {"seq_length": 32},
+        "validation_dataset": {"split": "validation", "seq_length": 32},
+        "step_scheduler": {"global_batch_size": GLOBAL_BATCH, "local_batch_size": GLOBAL_BATCH // 2 // data_parallel,
+                           "max_steps": max_steps, "val_every_steps": 2, "val_batches": 3},
+        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
+        "lr_scheduler": {"warmup_steps": 1},
+        "loss_fn": {"_target_": "remat.loss.FusedLinearCrossEntropy" if fused else "remat.loss.MaskedCrossEntropy"},
+        "distributed": {"strategy": strategy, "activation_checkpointing": checkpointing, "tp_size": tp_size},
+        "logging": {"progress": "plain"},
+        "checkpoint": {"enabled": False},
+    }
+    for name, value in sections.items():
+        recipe[name] = {**recipe[name], **value} if isinstance(recipe.get(name), dict) else value
+    return recipe

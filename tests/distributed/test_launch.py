@@ -1,0 +1,98 @@
+"""The command line starts workers through torchrun: option pass-through, detection of an existing torchrun, errors
+before any worker starts, and one real `remat finetune examples/fsdp2_quickstart.yaml --nproc-per-node 2` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remat.cli import build_parser, main
+from remat.distributed.launch import LaunchOptions, check_launch_environment
+from remat.errors import ConfigError
+from remat.recipes.checkpoint_io import checkpoint_layout, find_latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+FSDP2_EXAMPLE = ROOT / "examples" / "fsdp2_quickstart.yaml"
+TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+
+
+def options(*argv: str) -> LaunchOptions:
+    args, _ = build_parser().parse_known_args(["finetune", "recipe.yaml", *argv])
+    return LaunchOptions.from_namespace(args)
+
+
+def test_single_node_runs_standalone() -> None:
+    opts = options("--nproc-per-node", "2", "--distributed.strategy", "fsdp2")
+    assert opts.torchrun_args() == ["--nproc-per-node", "2", "--standalone"]
+    assert opts.num_processes() == 2 and opts.requested
+
+
+def test_multi_node_flags_pass_through() -> None:
+    opts = options("--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29500",
+                   "--max-restarts", "3")
+    assert opts.torchrun_args() == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+                                    "--rdzv-endpoint", "node0:29500", "--max-restarts", "3"]
+    assert opts.num_processes() == 16
+    assert options("--nproc-per-node", "gpu", "--nnodes", "1:4").num_processes() is None
+    assert not options().requested
+
+
+def test_bad_nproc_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        options("--nproc-per-node", "0")
+    assert "allowed: a positive integer or one of auto, gpu, cpu" in capsys.readouterr().err
+
+
+def test_existing_torchrun_is_detected_and_not_relaunched() -> None:
+    assert check_launch_environment(options("--nproc-per-node", "2"), environ={}) is True
+    assert check_launch_environment(options("--nproc-per-node", "2"), environ=TORCHRUN_ENV) is False
+    assert check_launch_environment(options(), environ=TORCHRUN_ENV) is False
+    with pytest.raises(ConfigError, match=r"--nproc-per-node: got 4, but .* LOCAL_WORLD_SIZE=2"):
+        check_launch_environment(options("--nproc-per-node", "4"), environ=TORCHRUN_ENV)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--distributed.strategy", "single"],
+     "distributed.strategy: 'single' runs one process, but the launch has 2 (WORLD_SIZE=2)"),
+    (["--distributed.dp_size", "4"],
+     "distributed.dp_size x tp_size x cp_size = 4 x 1 x 1 = 4, but the launch has 2 processes"),
+    (["--distributed.cp_size", "2"], "distributed.cp_size: got 2; context parallelism is not supported"),
+])
+def test_layout_errors_come_before_any_worker_starts(overrides: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert main(["finetune", str(FSDP2_EXAMPLE), "--nproc-per-node", "2", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "launching" not in err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_example_runs_on_two_processes(tmp_path: Path, remat_cache: Path) -> None:
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "remat.cli", "finetune", str(FSDP2_EXAMPLE), "--nproc-per-node", "2",
+               "--output_dir", str(out), "--tokenizer.vocab_size", "512", "--dataset.seq_length", "64",
+               "--validation_dataset.seq_length", "64", "--model.config", "{num_hidden_layers: 2}",
+               "--step_scheduler.max_steps", "3", "--step_scheduler.val_every_steps", "3",
+               "--step_scheduler.ckpt_every_steps", "2", "--logging.progress", "plain"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    # Only rank 0 prints: one line per step, one setup report.
+    assert [line.split(" |")[0] for line in lines if "| loss " in line] == ["step 1", "step 2", "step 3"]
+    assert sum(line.startswith("distributed: fsdp2 over 2 processes (dp 2)") for line in lines) == 1
+    assert sum("the maximum over the 2 ranks" in line for line in lines) == 1
+    assert "global batch 16 = local 4 x dp 2 x accumulation 2" in proc.stdout
+    assert "launching: torchrun --nproc-per-node 2 --standalone -m remat.cli" in proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["kind"] == "train"] == [1, 2, 3]
+    latest = find_latest_checkpoint(out / "checkpoints")
+    assert latest is not None and latest.name == "step_3" and checkpoint_layout(latest) == "sharded"
+    assert (latest / "model" / "model.safetensors").is_file()

@@ -1,0 +1,133 @@
+"""DistributedSetup's validation and single-process behaviour, the tensor-parallel plan table, sharded evaluation
+batches and the gradient norm: everything that needs no second process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from remat.data import IGNORE_INDEX
+from remat.distributed import DistributedSetup, ProcessEnv, clip_grad_norm, total_grad_norm, under_torchrun
+from remat.distributed.setup import validate_settings
+from remat.distributed.tensor_parallel import TP_PLANS, check_divisible, tp_plan_for
+from remat.errors import ConfigError
+from remat.recipes.finetune import sharded_eval_batches
+
+TORCHRUN_ENV = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize(("settings", "world_size", "message"), [
+    ({"strategy": "zero3"}, 1, "distributed.strategy: got 'zero3'; allowed: single, ddp, fsdp2"),
+    ({"strategy": "ddp", "tp_size": 2}, 2, "distributed.tp_size: 2 needs strategy 'fsdp2' (got 'ddp')"),
+    ({"strategy": "ddp", "mixed_precision": "bfloat16"}, 2,
+     "distributed.mixed_precision: 'bfloat16' needs strategy 'fsdp2' (got 'ddp'); allowed with 'ddp': null"),
+    ({"strategy": "fsdp2", "mixed_precision": "fp8"}, 2,
+     "distributed.mixed_precision: got 'fp8'; allowed: null, bfloat16, float16, float32"),
+    ({"strategy": "fsdp2", "dp_size": 0}, 2, "distributed.dp_size: got 0; allowed: a positive integer"),
+    ({"strategy": "fsdp2", "cp_size": 2}, 4, "distributed.cp_size: got 2; context parallelism is not supported"),
+    ({"strategy": "fsdp2", "tp_size": 4}, 2,
+     "distributed.dp_size x tp_size x cp_size = 1 x 4 x 1 = 4, but the launch has 2 processes"),
+    ({"strategy": "fsdp2", "dp_size": 2, "tp_size": 2}, 8,
+     "distributed.dp_size x tp_size x cp_size = 2 x 2 x 1 = 4, but the launch has 8 processes"),
+    ({"strategy": "single", "tp_size": 2}, 1, "distributed.tp_size: 2 needs several processes"),
+    ({"strategy": "single"}, 2, "'single' runs one process, but the launch has 2"),
+    ({"strategy": "fsdp2", "activation_checkpointing": "sometimes"}, 2, "distributed.activation_checkpointing"),
+])
+def test_invalid_settings_name_the_key(settings: dict[str, Any], world_size: int, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_settings(**settings, world_size=world_size)
+    assert message in str(info.value)
+
+
+def test_data_parallel_size_is_derived_from_the_world_size() -> None:
+    assert validate_settings("fsdp2", world_size=8) == 8
+    assert validate_settings("fsdp2", tp_size=2, world_size=8) == 4
+    assert validate_settings("ddp", dp_size=2, world_size=2) == 2
+    assert validate_settings("single", world_size=1) == 1
+
+
+def test_process_env_reads_torchrun_variables() -> None:
+    env = ProcessEnv.from_environ(TORCHRUN_ENV)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launched) == (3, 1, 4, 2, True)
+    assert ProcessEnv.from_environ({}) == ProcessEnv()
+    assert under_torchrun(TORCHRUN_ENV) and not under_torchrun({"RANK": "0"})
+
+
+def test_single_strategy_under_torchrun_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="'single' runs one process, but the launch has 4"):
+        DistributedSetup.build("single")
+
+
+def test_single_process_setup_is_a_pass_through() -> None:
+    setup = DistributedSetup.build("single", activation_checkpointing="full", device="cpu")
+    assert not setup.is_distributed and setup.is_main_process and setup.dp_rank == 0 and setup.dp_group is None
+    assert setup.sum_over_dp([1.5, 2.0]) == [1.5, 2.0] and setup.any_rank(True) and not setup.any_rank(False)
+    assert setup.describe() == "single process on cpu"
+    block = nn.Linear(4, 4)
+    root = setup.parallelize(_TinyStack(block))
+    assert isinstance(root, _TinyStack) and setup.root is root and setup.plan is not None and len(setup.plan) == 2
+    with setup.gradient_sync(enabled=False):
+        root(torch.ones(1, 4)).sum().backward()
+    assert block.weight.grad is not None  # no wrapper, nothing deferred
+
+
+def test_parallelize_root_must_contain_the_model() -> None:
+    setup = DistributedSetup.build("single", device="cpu")
+    with pytest.raises(ValueError, match="`root` must contain `model`"):
+        setup.parallelize(_TinyStack(nn.Linear(4, 4)), root=nn.Linear(2, 2))
+
+
+class _TinyStack(nn.Module):
+    def __init__(self, first: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([first, nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_tensor_parallel_plan_is_known_for_listed_families_only() -> None:
+    llama = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    assert tp_plan_for(llama)["self_attn.o_proj"] == "rowwise" and "qwen3" in TP_PLANS
+    check_divisible(llama, 2)
+    with pytest.raises(ConfigError, match=r"tp_size: 4 does not divide the model's num_key_value_heads=2"):
+        check_divisible(llama, 4)
+    with pytest.raises(ConfigError, match=r"no known plan for model_type 'gpt2'; allowed: model types gemma, "):
+        tp_plan_for(AutoConfig.for_model("gpt2"))
+
+
+def test_sharded_eval_batches_cover_every_row_once_in_step() -> None:
+    rows = [{"input_ids": torch.full((3,), i), "labels": torch.full((3,), i)} for i in range(10)]
+    per_rank = [list(sharded_eval_batches(rows, 2, rank=r, world_size=2)) for r in range(2)]
+    assert [len(batches) for batches in per_rank] == [3, 3]  # ranks stay in step
+    seen = [int(v) for batches in zip(*per_rank) for batch in batches
+            for v, labels in zip(batch["input_ids"][:, 0], batch["labels"][:, 0]) if labels != IGNORE_INDEX]
+    assert seen == list(range(10))
+    filler = per_rank[1][2]
+    assert filler["labels"].eq(IGNORE_INDEX).all() and filler["input_ids"].shape == (1, 3)
+    capped = list(sharded_eval_batches(rows, 2, rank=0, world_size=2, max_batches=2))
+    assert [b["input_ids"][:, 0].tolist() for b in capped] == [[0, 1], [4, 5]]
+
+
+def test_grad_norm_matches_torch_and_clips() -> None:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(2))]
+    for p in params[:2]:
+        p.grad = torch.randn_like(p) * 3
+    expected = torch.nn.utils.get_total_norm([p.grad for p in params[:2]])
+    assert torch.equal(total_grad_norm(params), expected)
+    assert total_grad_norm(params, norm_type=float("inf")) == max(p.grad.abs().max() for p in params[:2])
+    before = [p.grad.clone() for p in params[:2]]
+    assert clip_grad_norm(params, None) == pytest.approx(float(expected))
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
+    assert clip_grad_norm(params, 1.0) == pytest.approx(float(expected))
+    assert float(total_grad_norm(params)) == pytest.approx(1.0, rel=1e-5)
+    assert float(total_grad_norm([])) == 0.0
