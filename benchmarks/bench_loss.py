@@ -83,7 +83,7 @@ def measure_memory(inputs: LossInputs, variant: str) -> tuple[LiveTensorTracker,
     with LiveTensorTracker(module=inputs) as tracker, FlopCounterMode(display=False) as flops:
         loss = inputs.loss(variant)
         loss.backward()
-        value = float(loss)
+        value = float(loss.detach())
         del loss
     return tracker, flops.get_total_flops(), value
 
@@ -168,10 +168,10 @@ def render_markdown(rows: Sequence[Row], config: dict[str, object], machine: dic
     ]
     for row in rows:
         chunk = "-" if row.variant == "plain" else str(config["chunks"][str(row.vocab)])
+        median, time_ratio = (f"{row.median_s:.2f}", f"{row.time_ratio:.2f}") if row.times_s else ("-", "-")
         lines.append(
             f"| {row.vocab} | {row.variant} | {chunk} | {row.peak_bytes / GIB:.3f} | {row.working_bytes / GIB:.3f} "
-            f"| {row.working_ratio:.1%} | {row.peak_ratio:.1%} | {row.flops / 1e12:.2f} | {row.median_s:.2f} "
-            f"| {row.time_ratio:.2f} |"
+            f"| {row.working_ratio:.1%} | {row.peak_ratio:.1%} | {row.flops / 1e12:.2f} | {median} | {time_ratio} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     config = {
         "tokens": max(1, args.tokens // args.seq) * args.seq, "batch": max(1, args.tokens // args.seq),
         "seq": args.seq, "prompt": args.prompt, "hidden": args.hidden, "dtype": args.dtype, "repeats": args.repeats,
-        "chunks": {str(v): auto_token_chunk(v, dtype) for v in args.vocab}, "note": args.note,
+        "chunks": {str(v): min(auto_token_chunk(v, dtype), args.tokens) for v in args.vocab}, "note": args.note,
     }
     markdown = render_markdown(rows, config, machine)
     args.out.parent.mkdir(parents=True, exist_ok=True)

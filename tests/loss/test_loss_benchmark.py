@@ -12,7 +12,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_loss.py"
 
 
-def test_benchmark_writes_markdown_and_json_with_ratios_against_the_plain_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_benchmark_writes_markdown_and_json_with_ratios_against_the_plain_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = importlib.util.spec_from_file_location("bench_loss", BENCH)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_loss", bench)  # dataclasses look their module up there

@@ -219,7 +219,8 @@ def test_autocast_casts_like_a_linear_layer_and_grads_reach_fp32_parameters() ->
         loss = FusedLinearCrossEntropy(chunk_size=8)(h, weight, labels)
     loss.backward()
     assert weight.grad.dtype == torch.float32
-    _, (ref_grad,) = loss_and_grads(lambda ww: reference_loss(h.bfloat16(), ww.bfloat16(), labels), [w.double().requires_grad_()])
+    _, (ref_grad,) = loss_and_grads(lambda ww: reference_loss(h.bfloat16(), ww.bfloat16(), labels),
+                                    [w.double().requires_grad_()])
     assert abs(loss.item() - reference_loss(h.bfloat16(), w.bfloat16(), labels).item()) < 1e-2
     assert _rel_err(weight.grad, ref_grad) < 1e-2
 

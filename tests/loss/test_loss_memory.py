@@ -14,7 +14,7 @@ from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy
 from remat.loss.chunked import MIN_CHUNK, bytes_per_logit
 from remat.memory import LiveTensorTracker
 
-BATCH, SEQ, HIDDEN, VOCAB = 2, 512, 8, 16384
+BATCH, SEQ, HIDDEN, VOCAB = 2, 1024, 8, 8192
 TOKENS = BATCH * SEQ
 
 
@@ -53,7 +53,7 @@ def _plain(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
 )
 def test_no_tensor_as_large_as_the_logits_in_forward_and_backward(dtype, strategy, softcap) -> None:
     hidden, weight, labels = _inputs(dtype)
-    chunk_bytes = 32 * 2**20  # 256 to 512 rows of the vocabulary: several chunks, none of them clamped to MIN_CHUNK
+    chunk_bytes = 32 * 2**20  # 512 to 1024 rows of the vocabulary: several chunks, none of them clamped to MIN_CHUNK
     assert chunk_bytes // (VOCAB * bytes_per_logit(dtype, softcap)) >= MIN_CHUNK
     fused = FusedLinearCrossEntropy(logit_softcap=softcap, grad_strategy=strategy, chunk_bytes=chunk_bytes)
     with LargestOutput() as probe:
@@ -68,7 +68,7 @@ def test_no_tensor_as_large_as_the_logits_in_forward_and_backward(dtype, strateg
 
 def test_working_memory_is_one_chunk_and_a_small_fraction_of_the_plain_loss() -> None:
     hidden, weight, labels = _inputs()
-    chunk_bytes = 16 * 2**20  # 256 rows of the vocabulary
+    chunk_bytes = 16 * 2**20  # 512 rows of the vocabulary
 
     def working_peak(loss_fn) -> int:
         hidden.grad = weight.grad = None
@@ -81,7 +81,7 @@ def test_working_memory_is_one_chunk_and_a_small_fraction_of_the_plain_loss() ->
     logits_bytes = TOKENS * VOCAB * 4
     assert plain >= 2 * logits_bytes
     assert fused <= chunk_bytes * 1.05
-    assert fused <= 0.1 * plain  # one 256-row chunk of 1023 label rows vs three logits-sized tensors
+    assert fused <= 0.1 * plain  # one 512-row chunk of 2047 label rows vs three logits-sized tensors
 
 
 def _matmul_flops(run) -> int:

@@ -26,7 +26,7 @@ def check_reduction(reduction: str) -> Reduction:
 
 
 def check_labels(labels: Tensor, leading_shape: torch.Size, what: str) -> None:
-    """Raise a ConfigError unless ``labels`` is an integer tensor of shape ``leading_shape`` (the tokens of ``what``)."""
+    """Raise a ConfigError unless ``labels`` is an integer tensor shaped ``leading_shape`` (the tokens of ``what``)."""
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ConfigError(f"labels: got dtype {labels.dtype}; allowed: an integer dtype (token ids)")
     if labels.shape != leading_shape:
