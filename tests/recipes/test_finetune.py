@@ -153,3 +153,31 @@ def test_checkpointing_policy_leaves_the_loss_curve_unchanged(tmp_path: Path, po
     job, ckpt = run(tiny_recipe(tmp_path / "ckpt", distributed={"activation_checkpointing": policy}, **base))
     assert job.dist.plan is not None and len(job.dist.plan) > 0
     torch.testing.assert_close(torch.tensor(losses(ckpt)), torch.tensor(losses(plain)), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_loss_gives_the_plain_loss_curve(tmp_path: Path) -> None:
+    base = {"checkpoint": {"enabled": False}, "step_scheduler": {"max_steps": 4}}
+    _, plain = run(tiny_recipe(tmp_path / "plain", **base))
+    job, fused = run(tiny_recipe(tmp_path / "fused", loss_fn={"_target_": "remat.loss.FusedLinearCrossEntropy"},
+                                 model={**TINY_MODEL, "output_hidden_states": True}, **base))
+    assert type(job.compute_loss.loss_fn).__name__ == "FusedLinearCrossEntropy"
+    torch.testing.assert_close(torch.tensor(losses(fused)), torch.tensor(losses(plain)), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_loss_takes_the_models_softcap(tmp_path: Path) -> None:
+    from remat.loss import FusedLinearCrossEntropy
+    from remat.recipes.model_loss import CausalLMLoss
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+                                  final_logit_softcapping=30.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}
+    from remat.loss import MaskedCrossEntropy
+
+    fused = CausalLMLoss(model, FusedLinearCrossEntropy(), use_hidden_states=True)
+    plain = CausalLMLoss(model, MaskedCrossEntropy(), use_hidden_states=False)
+    assert fused.loss_fn.logit_softcap == 30.0
+    torch.testing.assert_close(fused(batch), plain(batch), rtol=1e-5, atol=1e-5)

@@ -24,6 +24,7 @@ from torch import nn
 
 from remat.data import IGNORE_INDEX
 from remat.errors import ConfigError
+from remat.loss import output_head
 
 MODEL_INPUTS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
 
@@ -42,7 +43,7 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class _DecoderAndHead:
     decoder: nn.Module
-    head: nn.Module
+    base: nn.Module
 
 
 class CausalLMLoss(nn.Module):
@@ -57,28 +58,23 @@ class CausalLMLoss(nn.Module):
         self.model = model
         if use_hidden_states:
             decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-            head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-            if decoder is None or head is None or not hasattr(head, "weight"):
+            if decoder is None:
                 raise ConfigError(
-                    f"model.output_hidden_states: {type(base).__name__} does not expose a decoder and an output "
-                    "head (get_decoder / get_output_embeddings), so the fused loss cannot get hidden states; "
+                    f"model.output_hidden_states: {type(base).__name__} does not expose its decoder "
+                    "(get_decoder), so the fused loss cannot get hidden states; "
                     "use loss_fn._target_: remat.loss.MaskedCrossEntropy for this model"
                 )
+            head = output_head(base)  # checks now that the head is one the fused loss can apply
+            if head.logit_softcap and getattr(loss_fn, "logit_softcap", "absent") is None:
+                loss_fn.logit_softcap = head.logit_softcap  # type: ignore[attr-defined]
             # Plain references, not submodules: the parameters are registered once, under `model`.
-            self._parts = _DecoderAndHead(decoder, head)
-            softcap = getattr(base.config, "final_logit_softcapping", None)
-            if softcap and getattr(loss_fn, "logit_softcap", "absent") is None:
-                loss_fn.logit_softcap = float(softcap)  # type: ignore[attr-defined]
+            self._parts = _DecoderAndHead(decoder, base)
 
     @property
     def decoder(self) -> nn.Module:
         """The decoder whose last hidden states feed the fused loss (hidden-states contract only)."""
         return self._parts.decoder
 
-    @property
-    def head(self) -> nn.Module:
-        """The output head whose weight the fused loss applies (hidden-states contract only)."""
-        return self._parts.head
 
     def forward(self, batch: Mapping[str, torch.Tensor], num_label_tokens: int | None = None) -> torch.Tensor:
         inputs: dict[str, Any] = {k: batch[k] for k in MODEL_INPUTS if k in batch}
@@ -86,7 +82,9 @@ class CausalLMLoss(nn.Module):
         if self.use_hidden_states:
             hidden = self.decoder(**inputs, use_cache=False).last_hidden_state
             # Read inside forward: under FSDP2 the root has gathered the whole weight by now.
-            bias = getattr(self.head, "bias", None)
-            return self.loss_fn(hidden, self.head.weight, labels, bias=bias, num_label_tokens=num_label_tokens)
+            head = output_head(self._parts.base)
+            if head.hidden_scale != 1.0:
+                hidden = hidden * head.hidden_scale
+            return self.loss_fn(hidden, head.weight, labels, bias=head.bias, num_label_tokens=num_label_tokens)
         logits = self.model(**inputs, use_cache=False).logits
         return self.loss_fn(logits, labels, num_label_tokens=num_label_tokens)
