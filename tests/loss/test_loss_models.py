@@ -18,8 +18,9 @@ VOCAB = 53
 
 def _model(model_type: str, **overrides) -> nn.Module:
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
-                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, **overrides)
+    shape = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)
+    config = AutoConfig.for_model(model_type, **{**shape, **overrides})
     return AutoModelForCausalLM.from_config(config).double()
 
 
@@ -139,3 +140,16 @@ def test_mistakes_raise_config_errors_naming_the_argument(build, call, message) 
         inputs.update(call or {})
         loss_fn(inputs["hidden"], inputs["weight"], inputs["labels"], bias=inputs["bias"],
                 num_label_tokens=inputs["num_label_tokens"])
+
+
+def test_composes_with_activation_checkpointing_of_the_decoder_layers() -> None:
+    ids, labels = _batch()
+    plain_model, checkpointed = _model("llama", num_hidden_layers=2), _model("llama", num_hidden_layers=2)
+    checkpointed.activation_checkpointing_enable()
+    checkpointed.config.use_cache = plain_model.config.use_cache = False
+    for model in (plain_model, checkpointed):
+        model.train()
+        _fused_loss(model, ids, labels).backward()
+    assert checkpointed.is_activation_checkpointing
+    for (name, param), other in zip(plain_model.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(other.grad, param.grad, rtol=1e-12, atol=1e-14, msg=name)
