@@ -1,7 +1,8 @@
 """What each torchrun worker of the distributed tests runs: ``python dist_worker.py MODE OUT_DIR``.
 
 Modes: ``parity`` trains every case of ``PARITY_CASES`` and records losses, gradient norms, validation and how the
-parameters are sharded; ``resume`` trains a run straight, and the same run crashing after its step-4 checkpoint and
+parameters are sharded, then trains with the FSDP2 options the recipe schema does not expose (deferred gradient
+reduction, bf16 mixed precision, CPU offload) through the Python API; ``resume`` trains a run straight, and the same run crashing after its step-4 checkpoint and
 resumed, for fsdp2 and ddp. Each rank writes ``<mode>_rank<r>.json`` into OUT_DIR; the tests read and judge them.
 """
 
@@ -46,6 +47,53 @@ def parity(out: Path) -> dict[str, Any]:
         job, result = train(tiny_recipe(out / name, strategy=strategy, checkpointing=checkpointing, fused=fused,
                                         tied=tied, tp_size=tp_size))
         report[name] = {**curve(result), "shards": shards(job), "blocks": len(job.dist.plan or ())}
+    report["fsdp2-options"] = fsdp2_options()
+    return report
+
+
+FSDP2_OPTIONS: dict[str, dict[str, Any]] = {
+    "reference": {},
+    "deferred-reduction": {"fsdp_reduce_every_micro_batch": False},
+    "bf16": {"mixed_precision": "bfloat16"},
+    "cpu-offload": {"cpu_offload": True},
+}
+
+
+def fsdp2_options(steps: int = 3) -> dict[str, Any]:
+    """A hand-written loop over DistributedSetup with each option: global losses, grad norms, parameter dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from remat.distributed import DistributedSetup, clip_grad_norm
+    from remat.loss import FusedLinearCrossEntropy
+    from remat.recipes.model_loss import CausalLMLoss
+
+    report = {}
+    for name, options in FSDP2_OPTIONS.items():
+        setup = DistributedSetup.build("fsdp2", activation_checkpointing="full", **options)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False))
+        root = setup.parallelize(model, root=CausalLMLoss(model, FusedLinearCrossEntropy(), use_hidden_states=True))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(1)
+        losses, norms = [], []
+        for _ in range(steps):
+            ids = torch.randint(0, 256, (8, 16), generator=generator)
+            tokens = ids[:, 1:].numel()
+            local = 0.0
+            micro_batches = ids.chunk(setup.dp_size)[setup.dp_rank].chunk(2)
+            for index, batch in enumerate(micro_batches):
+                with setup.gradient_sync(enabled=index == len(micro_batches) - 1):
+                    loss = root({"input_ids": batch, "labels": batch}, num_label_tokens=tokens)
+                    (loss * setup.dp_size).backward()
+                local += loss.item()
+            norms.append(clip_grad_norm(model.parameters(), 1.0))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(setup.sum_over_dp([local])[0])
+        param = next(model.parameters())
+        report[name] = {"loss": losses, "grad_norm": norms, "param": [str(param.dtype), type(param).__name__]}
     return report
 
 
@@ -79,7 +127,21 @@ def resume(out: Path) -> dict[str, Any]:
         job, resumed = train(recipe(f"{strategy}-crashed"))
         report[strategy] = {"straight": curve(straight), "resumed": curve(resumed),
                             "resumed_from": str(job.resumed_from), "first_metrics_row": before}
+    report["stop-on-one-rank"] = stop_on_one_rank(out / "fsdp2-stopped")
     return report
+
+
+def stop_on_one_rank(out: Path) -> dict[str, Any]:
+    """Only rank 1 is asked to stop (as by a signal that reached one process): every rank stops after that step
+    and they save one checkpoint together."""
+    def request_on_rank_1(job: FinetuneRecipe, record: Any) -> None:
+        if record.step == 2 and dist.get_rank() == 1:
+            job.request_stop("test request on rank 1")
+
+    _, result = train(tiny_recipe(out, strategy="fsdp2", max_steps=5, checkpoint={"enabled": True}),
+                      callbacks=[request_on_rank_1])
+    return {"final_step": result.final_step, "stopped_early": result.stopped_early,
+            "last_checkpoint": str(result.last_checkpoint)}
 
 
 def main() -> None:

@@ -89,3 +89,19 @@ def test_fsdp2_holds_less_per_rank_than_ddp(reports: list[dict[str, Any]]) -> No
 def test_ddp_parameters_are_whole(reports: list[dict[str, Any]]) -> None:
     for name, (local, full, placements) in reports[0]["ddp-none"]["shards"].items():
         assert local == full and placements == [], name
+
+
+def test_fsdp2_options_train_like_the_default(reports: list[dict[str, Any]]) -> None:
+    runs = reports[0]["fsdp2-options"]
+    reference = runs["reference"]
+    assert reference["param"] == ["torch.float32", "DTensor"]
+    for name in ("deferred-reduction", "cpu-offload"):  # same arithmetic, other placement/timing of the reduction
+        torch.testing.assert_close(torch.tensor(runs[name]["loss"]), torch.tensor(reference["loss"]),
+                                   atol=LOSS_ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(runs[name]["grad_norm"]), torch.tensor(reference["grad_norm"]),
+                                   rtol=RTOL, atol=0)
+    # bf16 compute, fp32 reduction and fp32 sharded master weights: close, not equal.
+    bf16 = runs["bf16"]
+    assert bf16["param"] == ["torch.float32", "DTensor"]
+    assert bf16["loss"] != reference["loss"]
+    torch.testing.assert_close(torch.tensor(bf16["loss"]), torch.tensor(reference["loss"]), atol=2e-2, rtol=0)

@@ -86,3 +86,14 @@ def test_fsdp2_export_loads_in_transformers_with_the_sharded_weights(
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
     assert any(t.abs().sum() > 0 for t in expected.values())
+
+
+def test_a_stop_request_on_one_rank_stops_all_ranks_after_the_same_step(
+        resume_run: tuple[list[dict[str, Any]], Path]) -> None:
+    reports, out = resume_run
+    expected = out / "fsdp2-stopped" / "checkpoints" / "step_2"
+    for report in reports:
+        stopped = report["stop-on-one-rank"]
+        assert (stopped["final_step"], stopped["stopped_early"]) == (2, True)
+        assert Path(stopped["last_checkpoint"]) == expected
+    assert [p.name for p in list_checkpoints(expected.parent)] == ["step_2"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -107,11 +108,13 @@ def check_launch_environment(options: LaunchOptions, environ: Mapping[str, str] 
 
 
 def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
-    """Run ``torchrun <options> <worker_args>`` in this process; returns 0, or the first failed worker's exit code.
+    """Run ``torchrun <options> <worker_args>`` in this process; returns 0, the first failed worker's exit code, or
+    128 + the signal number when the launcher was stopped by a signal (which torchrun forwards to the workers).
 
     ``worker_args`` is what each worker runs, e.g. ``["-m", "remat.cli", "finetune", "recipe.yaml"]``.
     """
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     argv = [*options.torchrun_args(), *worker_args]
@@ -121,6 +124,10 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
     except ChildFailedError as err:
         codes = [failure.exitcode for failure in err.failures.values()]
         return next((code for code in codes if code > 0), 1)
+    except SignalException as err:
+        # torchrun passed the signal on to the workers (which finish their step and save) before raising this.
+        logger.warning("stopped by %s: the workers were asked to stop", signal.Signals(err.sigval).name)
+        return 128 + int(err.sigval)
     return 0
 
 

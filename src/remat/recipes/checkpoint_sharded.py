@@ -19,9 +19,12 @@ DTensor shards), so a checkpoint loads onto a different number of ranks, or into
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +96,9 @@ def save_sharded_checkpoint(
     tmp = _agree_on_temp_dir(root, step)
     try:
         model_state, optim_state = _state_dicts(inner, optimizer)
-        dcp.save({"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})},
-                 checkpoint_id=tmp / DCP_DIR, no_dist=not dist.is_initialized())
+        with _single_process_is_intended():
+            dcp.save({"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})},
+                     checkpoint_id=tmp / DCP_DIR, no_dist=not dist.is_initialized())
         if export_model:
             export_full_model(inner, tmp / MODEL_DIR, tokenizer=tokenizer)
         _write_rank_files(tmp, lr_scheduler, train_state)
@@ -136,7 +140,8 @@ def load_sharded_checkpoint(
     if optimizer is not None:
         state["optimizer"] = optim_state
     try:
-        dcp.load(state, checkpoint_id=path / DCP_DIR, no_dist=not dist.is_initialized())
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=path / DCP_DIR, no_dist=not dist.is_initialized())
     except (RuntimeError, ValueError, KeyError) as err:
         raise ConfigError(f"checkpoint {path} does not fit this model/optimizer: {err}; build them the same way "
                           "as the run that saved it") from err
@@ -200,6 +205,14 @@ def _write_rank_files(directory: Path, lr_scheduler: Any | None, train_state: di
     if lr_scheduler is not None:
         torch.save(lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
     (directory / TRAIN_STATE_FILE).write_text(_to_json(train_state))
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists: here that is what is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 def _rank() -> int:
