@@ -30,7 +30,18 @@ CATEGORIES: Final[tuple[str, ...]] = (
 )
 _PARAMETERS, _BUFFERS, _GRADIENTS, _OPTIMIZER_STATE, _ACTIVATIONS, _TEMPORARIES = range(len(CATEGORIES))
 
+StorageListener = Callable[[str, int, int, str], None]
+"""``listener(event, serial, nbytes, category)``, told of every change the tracker counts. ``event`` is "alloc" (a
+storage starts being counted), "free" (it died), "resize" (its size changed to ``nbytes``) or "category" (it moved
+to ``category``); ``serial`` identifies the storage for its whole life and is never reused within one measurement."""
+
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _active_fake_mode() -> Any:
+    """The fake-tensor mode in effect (None on real tensors)."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE_KEY)
 
 # Per-op and per-type facts, computed once per process.
 _OP_ALLOCATES: dict[Any, bool] = {}
@@ -126,7 +137,10 @@ class LiveTensorTracker(TorchDispatchMode):
 
     Works on real tensors, under `FakeTensorMode` (enter the tracker *inside* the fake mode), through
     `torch.utils.checkpoint` (non-reentrant, selective contexts included) and with DTensor (it sees the local
-    ops). Allocations inside a single kernel (workspaces) are not visible. Values freeze when the block exits;
+    ops). Ops run under another fake mode than the block's are not counted (DTensor runs ops on global-shape fake
+    tensors there to infer shapes). Allocations inside a single kernel (workspaces) are not visible. A `listener` (see `StorageListener`) is
+    told of every allocation, free, resize and reclassification, in order (used to replay the step through an
+    allocator model). Values freeze when the block exits;
     entering again starts a new measurement. Entering a tracker that is already active raises `RuntimeError`;
     two different trackers may be nested and each counts everything inside it.
     """
@@ -135,10 +149,18 @@ class LiveTensorTracker(TorchDispatchMode):
     # counted, what they allocate and free inside is not.
     supports_higher_order_operators = True
 
-    def __init__(self, *, module: nn.Module | None = None, optimizer: Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        module: nn.Module | None = None,
+        optimizer: Optimizer | None = None,
+        listener: StorageListener | None = None,
+    ) -> None:
         super().__init__()
         self._module = module
         self._optimizer = optimizer
+        self._listener = listener
+        self._fake_mode: Any = None
         self._active = False
         self._free_callback = self._on_free
         self._clear()
@@ -200,6 +222,7 @@ class LiveTensorTracker(TorchDispatchMode):
         if self._active:
             raise RuntimeError("this LiveTensorTracker is already active; nest a second tracker instead")
         self._clear()
+        self._fake_mode = _active_fake_mode()
         self._track_baseline()
         self._install_hooks()
         storage_resize.subscribe(self._on_storage_resized)
@@ -243,6 +266,11 @@ class LiveTensorTracker(TorchDispatchMode):
         if types and _defers_to_subclass(types):
             return NotImplemented
         self._sync_phase()
+        fake_mode = _active_fake_mode()
+        if fake_mode is not None and fake_mode is not self._fake_mode:
+            # Another fake mode than the one the block runs in (DTensor infers output shapes by running ops on
+            # global-shape fake tensors in a private fake mode): nothing it makes is memory of the measured step.
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if _op_allocates(func):
             self._track_outputs(out)
@@ -279,6 +307,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self._refs[ref.key] = ref
         self._current += nbytes
         self._by_category[category] += nbytes
+        if self._listener is not None:
+            self._listener("alloc", ref.born, nbytes, CATEGORIES[category])
         return ref
 
     def _on_free(self, ref: _StorageRef) -> None:
@@ -286,6 +316,8 @@ class LiveTensorTracker(TorchDispatchMode):
             del self._refs[ref.key]
             self._current -= ref.nbytes
             self._by_category[ref.category] -= ref.nbytes
+            if self._listener is not None:
+                self._listener("free", ref.born, ref.nbytes, CATEGORIES[ref.category])
 
     def _resize(self, ref: _StorageRef, nbytes: int, cause: Any) -> None:
         delta = int(nbytes) - ref.nbytes
@@ -293,6 +325,8 @@ class LiveTensorTracker(TorchDispatchMode):
             ref.nbytes += delta
             self._current += delta
             self._by_category[ref.category] += delta
+            if self._listener is not None:
+                self._listener("resize", ref.born, ref.nbytes, CATEGORIES[ref.category])
             if self._current > self._peak:
                 self._record_peak(cause)
 
@@ -326,6 +360,8 @@ class LiveTensorTracker(TorchDispatchMode):
         ref.category = category
         self._by_category[old] -= ref.nbytes
         self._by_category[category] += ref.nbytes
+        if self._listener is not None:
+            self._listener("category", ref.born, ref.nbytes, CATEGORIES[category])
         if ref.born <= self._peak_seq:  # alive now and born before the peak: it was part of the peak
             self._peak_by_category[old] -= ref.nbytes
             self._peak_by_category[category] += ref.nbytes

@@ -1,0 +1,204 @@
+"""``remat estimate [RECIPE] [--preset NAME | --config PATH] [options]``: predict the peak memory of a training step."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+NAME = "estimate"
+
+DESCRIPTION = """\
+Predict the peak device memory of one training step without a GPU: the step is simulated on fake tensors (seconds,
+nothing allocated) and replayed through a model of PyTorch's CUDA caching allocator, so the peak is what
+torch.cuda.max_memory_allocated() would report on any step after the first. The model comes from a recipe, a
+preset or a config.json; options override the recipe's settings.
+  remat estimate examples/llama_3_2_1b_seed.yaml
+  remat estimate examples/llama_3_2_1b_seed.yaml --compare --fits 80GiB --plot estimate.png
+  remat estimate --preset llama-3.2-1b --batch-size 8 --seq-length 2048 --autocast bfloat16 --policy full --loss fused
+  remat estimate --config path/to/config.json --compare --setting policy=sqrt --setting batch_size=16,loss=fused
+--compare prints one row per setting side by side: none, selective and full checkpointing, each with the plain and
+the fused loss, then one row per --setting. A --setting is KEY=VALUE[,KEY=VALUE...] over the option names below
+(batch_size, seq_length, dtype, autocast, policy, loss, optimizer, strategy, world_size, mixed_precision,
+grad_accumulation, documents_per_row, target); values are read as YAML. Without --compare, one --setting may adjust
+the single estimate. Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
+See docs/estimate.md for what is modelled and how the estimates compare with measurements.
+"""
+
+COMPARE_POLICIES: tuple[str, ...] = ("none", "selective", "full")
+COMPARE_LOSSES: tuple[str, ...] = ("plain", "fused")
+
+logger = logging.getLogger(__name__)
+
+# (flag, setting name) for the options that override a setting.
+_FLAGS: tuple[tuple[str, str], ...] = (
+    ("batch_size", "batch_size"), ("seq_length", "seq_length"), ("dtype", "dtype"), ("autocast", "autocast"),
+    ("policy", "policy"), ("loss", "loss"), ("optimizer", "optimizer"), ("strategy", "strategy"),
+    ("world_size", "world_size"), ("mixed_precision", "mixed_precision"), ("grad_accumulation", "grad_accumulation"),
+    ("documents_per_row", "documents_per_row"), ("target", "target"),
+)
+
+
+def register(subparsers: Any) -> None:
+    from remat.memory.simulate import STRATEGIES, TARGETS
+    from remat.models import preset_names
+
+    parser = subparsers.add_parser(
+        NAME, help="predict the peak memory of a training step (no GPU needed)", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("recipe", nargs="?", help="a YAML recipe (see examples/); or give --preset / --config")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"a model shape preset instead of a recipe: {', '.join(preset_names())}")
+    source.add_argument("--config", help="a transformers config.json (or the directory holding it) instead of a recipe")
+    step = parser.add_argument_group("the step (defaults: the recipe's, else batch 1 x 2048, the model's dtype, "
+                                     "no checkpointing, plain loss, AdamW, one process, CUDA)")
+    step.add_argument("--batch-size", type=int, help="micro-batch per rank")
+    step.add_argument("--seq-length", type=int, help="tokens per row")
+    step.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="parameter dtype")
+    step.add_argument("--autocast", choices=("bfloat16", "float16", "none"), help="autocast dtype, or none")
+    step.add_argument("--policy", help="activation checkpointing, as in a recipe: none, full, selective, attention, "
+                                       "mlp, sqrt, or a YAML mapping such as '{mode: full, every_n_layers: 2}'")
+    step.add_argument("--loss", choices=("plain", "fused"), help="plain cross-entropy on logits, or the fused "
+                                                                 "linear cross-entropy")
+    step.add_argument("--optimizer", help="optimizer class (default torch.optim.AdamW)")
+    step.add_argument("--strategy", choices=STRATEGIES, help="single, ddp or fsdp2")
+    step.add_argument("--world-size", type=int, help="data-parallel ranks (ddp / fsdp2)")
+    step.add_argument("--mixed-precision", choices=("bfloat16", "float16", "float32"),
+                      help="FSDP2 compute dtype of the gathered parameters (fsdp2 only)")
+    step.add_argument("--grad-accumulation", type=int, help="micro-batches per optimizer step")
+    step.add_argument("--documents-per-row", type=int,
+                      help="packed documents per row (>1 makes transformers build a block-diagonal mask)")
+    step.add_argument("--target", choices=TARGETS, help="model a CUDA GPU (default) or the CPU as it runs here")
+    out = parser.add_argument_group("output")
+    out.add_argument("--compare", action="store_true",
+                     help="one row per setting: none/selective/full x plain/fused, plus each --setting")
+    out.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE[,...]",
+                     help="an extra --compare row, or (once, without --compare) an adjustment of the estimate")
+    out.add_argument("--fits", metavar="SIZE", help="device memory to check against, e.g. 80GiB or 24GB")
+    out.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
+    out.add_argument("--plot", metavar="PATH", help="write a PNG chart of the breakdown per setting")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from remat.memory.estimate import estimate_memory
+    from remat.memory.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
+
+    capacity = parse_capacity(args.fits) if args.fits else None
+    model, base = _base(args, overrides)
+    rows = _rows(args, base)
+    estimates = []
+    for label, settings in rows:
+        logger.info("estimating %s", label or settings.describe())
+        estimate = estimate_memory(model, settings, label=label)
+        logger.info("%s: peak %.2f GiB (%.1f s)", estimate.name, estimate.peak_bytes / 2**30, estimate.seconds)
+        estimates.append(estimate)
+    if args.compare:
+        print_comparison(estimates, capacity_bytes=capacity, rich=sys.stdout.isatty())
+    else:
+        print(breakdown_table(estimates[0], capacity_bytes=capacity))
+    if args.json:
+        payload: Any = [e.to_dict() for e in estimates] if args.compare else estimates[0].to_dict()
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+        logger.info("wrote %s", path)
+    if args.plot:
+        logger.info("wrote %s", plot_breakdowns(estimates, args.plot, capacity_bytes=capacity))
+    return 0
+
+
+def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
+    """The model and the step the recipe (or preset / config and flags) describe."""
+    from remat.errors import ConfigError
+    from remat.memory.estimate import resolve_model, settings_from_recipe
+    from remat.memory.simulate import StepSettings
+
+    flags = {name: _flag_value(name, getattr(args, flag)) for flag, name in _FLAGS if getattr(args, flag) is not None}
+    if args.recipe is not None:
+        if args.preset or args.config:
+            raise ConfigError("recipe: give a recipe or --preset / --config, not both (the recipe names its model)")
+        from remat.recipes.loader import load_recipe
+
+        model, settings = settings_from_recipe(load_recipe(args.recipe, overrides), **flags)
+        return model, settings
+    if overrides:
+        raise ConfigError(f"unrecognized arguments: {' '.join(overrides)} (dotted recipe overrides need a recipe)")
+    if not args.preset and not args.config:
+        raise ConfigError("model: give a recipe, --preset NAME or --config PATH (see `remat estimate --help`)")
+    model = resolve_model(args.preset or args.config)
+    return model, dataclasses.replace(StepSettings(), **flags)
+
+
+def _flag_value(name: str, value: Any) -> Any:
+    if name == "autocast" and value == "none":
+        return None
+    if name == "policy":
+        return _yaml_value(value)
+    return value
+
+
+def _rows(args: argparse.Namespace, base: Any) -> list[tuple[str, Any]]:
+    """(label, settings) of each estimate to make."""
+    from remat.errors import ConfigError
+
+    extra = [(spec, _apply_setting(base, spec)) for spec in args.setting]
+    if not args.compare:
+        if len(extra) > 1:
+            raise ConfigError("--setting: several settings need --compare (one row each); without it give one")
+        return [("", extra[0][1] if extra else base)]
+    rows = [(f"{policy} + {loss}", dataclasses.replace(base, policy=policy, loss=loss,
+                                                        loss_kwargs=base.loss_kwargs if loss == base.loss else {}))
+            for policy in COMPARE_POLICIES for loss in COMPARE_LOSSES]
+    return rows + extra
+
+
+def _apply_setting(base: Any, spec: str) -> Any:
+    from remat.errors import ConfigError
+    from remat.memory.simulate import StepSettings
+
+    names = {f.name for f in dataclasses.fields(StepSettings)}
+    changes: dict[str, Any] = {}
+    for item in _split_top_level(spec):
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"--setting: got {item!r} in {spec!r}; allowed: KEY=VALUE items separated by commas")
+        if key not in names:
+            raise ConfigError(f"--setting: unknown key {key!r} in {spec!r}; allowed: {', '.join(sorted(names))}")
+        changes[key] = _yaml_value(raw.strip())
+    if "loss" in changes and changes["loss"] != base.loss:
+        changes.setdefault("loss_kwargs", {})
+    settings = dataclasses.replace(base, **changes)
+    settings.validate()
+    return settings
+
+
+def _split_top_level(spec: str) -> list[str]:
+    """Split on commas that are not inside braces or brackets (YAML mappings and lists keep theirs)."""
+    items, depth, current = [], 0, ""
+    for char in spec:
+        depth += char in "{["
+        depth -= char in "}]"
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    items.append(current)
+    return [item for item in items if item.strip()]
+
+
+def _yaml_value(raw: str) -> Any:
+    import yaml
+
+    from remat.errors import ConfigError
+
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--setting / --policy: {raw!r} is not a YAML value: {err}") from err

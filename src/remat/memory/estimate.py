@@ -1,0 +1,268 @@
+"""``estimate_memory``: the peak memory of a training step, predicted on fake tensors without a GPU.
+
+The step is simulated by `remat.memory.simulate.simulate_step` (the recipe's own model, checkpointing, loss,
+optimizer and data-parallel wrapper, on fake tensors), then its allocations are replayed
+(`remat.memory.allocator_replay`):
+
+- ``peak_bytes``: the peak of a step after the first (the optimizer state already exists), through PyTorch's CUDA
+  caching-allocator rules when ``target="cuda"`` (what ``torch.cuda.max_memory_allocated`` reports), or in exact
+  tensor bytes when ``target="cpu"`` (what `remat.memory.LiveTensorTracker` reports for a real CPU step);
+- ``tensor_peak_bytes``: the same peak in exact tensor bytes, without the allocator's rounding;
+- ``first_step_peak_bytes``: the first step's peak, in which the optimizer state is created;
+- ``breakdown`` and ``phase``: the categories of the bytes alive at ``peak_bytes`` and the phase it falls in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from remat.errors import ConfigError
+from remat.memory.allocator_replay import replay
+from remat.memory.simulate import STRATEGIES, StepSettings, simulate_step
+from remat.models import ModelConfig, get_preset, preset_names
+
+ModelLike = ModelConfig | PretrainedConfig | Mapping[str, Any] | str | Path
+"""A preset name, a ``config.json`` (or the directory holding it), a transformers config (object or mapping with
+``model_type``), or a `remat.models.ModelConfig`."""
+
+_SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepSettings))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The predicted memory of one training step (see the module docstring for what each figure is)."""
+
+    model: str
+    settings: StepSettings
+    peak_bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    tensor_peak_bytes: int
+    first_step_peak_bytes: int
+    reserved_bytes: int | None
+    parameters: int
+    trainable_parameters: int
+    attention_kernels: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    seconds: float = 0.0
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        """The label given by the caller, else a description of the policy and loss."""
+        return self.label or self.settings.describe()
+
+    def fits(self, capacity_bytes: int) -> bool:
+        """Whether ``peak_bytes`` fits in ``capacity_bytes`` of device memory."""
+        return self.peak_bytes <= capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping of every figure and setting (bytes as integers)."""
+        settings = dataclasses.asdict(self.settings)
+        settings["loss_kwargs"] = dict(self.settings.loss_kwargs)
+        settings["optimizer_kwargs"] = dict(self.settings.optimizer_kwargs)
+        return {
+            "name": self.name,
+            "model": self.model,
+            "settings": _jsonable(settings),
+            "peak_bytes": self.peak_bytes,
+            "peak_gib": round(self.peak_bytes / 2**30, 4),
+            "peak_gb": round(self.peak_bytes / 1e9, 4),
+            "phase": self.phase,
+            "breakdown": dict(self.breakdown),
+            "tensor_peak_bytes": self.tensor_peak_bytes,
+            "first_step_peak_bytes": self.first_step_peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "attention_kernels": dict(self.attention_kernels),
+            "notes": list(self.notes),
+            "seconds": round(self.seconds, 3),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """``to_dict()`` as a JSON string."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self, *, capacity_bytes: int | None = None) -> str:
+        """A plain-text table of the breakdown at the peak (see `remat.memory.report` for rich output)."""
+        from remat.memory.report import breakdown_table
+
+        return breakdown_table(self, capacity_bytes=capacity_bytes)
+
+
+def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, label: str = "",
+                    **options: Any) -> MemoryEstimate:
+    """Predict the peak memory of one training step of ``model`` without allocating it.
+
+    ``settings`` (a `StepSettings`) or keyword ``options`` with the same names choose the step, e.g.
+    ``estimate_memory("llama-3.2-1b", batch_size=8, seq_length=2048, autocast="bfloat16", policy="full",
+    loss="fused", strategy="fsdp2", world_size=8)``. Raises `ConfigError` for an unknown model or option, a value out
+    of range, or a combination the estimate does not model.
+    """
+    unknown = sorted(set(options) - set(_SETTING_NAMES))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a setting of estimate_memory; allowed: {', '.join(_SETTING_NAMES)}")
+    settings = dataclasses.replace(settings or StepSettings(), **options)
+    settings.validate()
+    model_cfg = resolve_model(model)
+    settings = dataclasses.replace(settings, dtype=settings.dtype or model_cfg.dtype,
+                                   autocast=settings.autocast or model_cfg.autocast)
+    trace = simulate_step(model_cfg, settings)
+    kind = "cuda" if settings.target == "cuda" else "exact"
+    steady = replay(trace.events, trace.marks, kind=kind, steady_state=True)
+    exact = replay(trace.events, trace.marks, kind="exact", steady_state=True)
+    first = replay(trace.events, trace.marks, kind=kind, steady_state=False)
+    notes = list(trace.notes)
+    if trace.attention_kernels:
+        kernels = ", ".join(f"{name} x{count}" for name, count in trace.attention_kernels.items())
+        notes.append(f"attention on CUDA: {kernels}")
+    return MemoryEstimate(
+        model=model_cfg.describe(),
+        settings=settings,
+        peak_bytes=steady.peak_bytes,
+        breakdown=steady.breakdown,
+        phase=steady.phase,
+        tensor_peak_bytes=exact.peak_bytes,
+        first_step_peak_bytes=first.peak_bytes,
+        reserved_bytes=steady.reserved_bytes if kind == "cuda" else None,
+        parameters=trace.parameters,
+        trainable_parameters=trace.trainable_parameters,
+        attention_kernels=dict(trace.attention_kernels),
+        notes=tuple(notes),
+        seconds=trace.seconds,
+        label=label,
+    )
+
+
+def resolve_model(model: ModelLike) -> ModelConfig:
+    """The `ModelConfig` a model argument names (see `ModelLike`); raises `ConfigError` naming what is wrong."""
+    if isinstance(model, ModelConfig):
+        return _without_weights(model)
+    if isinstance(model, PretrainedConfig):
+        return ModelConfig(config=_config_mapping(model.to_dict()))
+    if isinstance(model, Mapping):
+        return ModelConfig(config=_config_mapping(model))
+    if isinstance(model, (str, Path)):
+        text = str(model)
+        path = Path(text).expanduser()
+        if path.is_dir() and (path / "config.json").is_file():
+            path = path / "config.json"
+        if path.is_file():
+            return _from_config_file(path)
+        if text in preset_names():
+            return ModelConfig(preset=text)
+        get_preset(text)  # raises ConfigError with the known names and close matches
+    raise ConfigError(f"model: got {model!r}; allowed: a preset name ({', '.join(preset_names())}), a config.json "
+                      "path or its directory, a transformers config, or a remat.models.ModelConfig")
+
+
+def _without_weights(cfg: ModelConfig) -> ModelConfig:
+    """A pretrained directory is estimated from its config.json: weights are never read."""
+    if cfg.source != "pretrained":
+        return cfg
+    path = Path(cfg.pretrained_model_name_or_path or "") / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.pretrained_model_name_or_path: {path.parent} has no config.json")
+    data = cfg.model_dump()
+    data.pop("pretrained_model_name_or_path")
+    data["config"] = _from_config_file(path).config
+    return ModelConfig.model_validate(data)
+
+
+def _from_config_file(path: Path) -> ModelConfig:
+    try:
+        mapping = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model: cannot read a transformers config from {path}: {err}") from err
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"model: {path} holds {type(mapping).__name__}, not a config mapping")
+    return ModelConfig(config=_config_mapping(mapping))
+
+
+def _config_mapping(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved config without the keys that are arguments of the loader rather than fields of the config."""
+    out = {k: v for k, v in mapping.items() if k not in ("trust_remote_code", "transformers_version", "_name_or_path")}
+    if "model_type" not in out:
+        raise ConfigError("model.config.model_type: missing; a transformers config names its model_type "
+                          "(e.g. 'llama')")
+    return out
+
+
+def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSettings]:
+    """The model and step a `remat.recipes.config.RecipeConfig` trains, with ``options`` overriding settings.
+
+    Batch size, sequence length, dtype, autocast, checkpointing policy, loss, optimizer, gradient clipping,
+    strategy, gradient accumulation and the tokenizer's vocabulary come from the recipe. A recipe for ``ddp`` /
+    ``fsdp2`` without ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch).
+    """
+    from remat.data import build_tokenizer
+
+    if cfg.peft is not None:
+        raise ConfigError("peft: the estimate does not model LoRA fine-tuning yet; estimate the recipe without the "
+                          "peft section (an upper bound: every parameter trained)")
+    loss = _loss_kind(cfg.loss_fn.target)
+    dist = cfg.distributed
+    world_size = options.pop("world_size", None) or dist.dp_size or 1
+    if dist.strategy not in STRATEGIES:
+        raise ConfigError(f"distributed.strategy: got {dist.strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    sched = cfg.step_scheduler
+    accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * world_size)
+    if rest or accumulation < 1:
+        raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
+                          f"({sched.local_batch_size}) x world size ({world_size}) x an integer")
+    tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
+    max_norm = cfg.clip_grad_norm.max_norm
+    settings = StepSettings(
+        batch_size=sched.local_batch_size,
+        seq_length=cfg.dataset.seq_length,
+        dtype=cfg.model.dtype,
+        autocast=cfg.model.autocast,
+        policy=dist.activation_checkpointing,
+        loss=loss,
+        loss_kwargs=dict(cfg.loss_fn.kwargs),
+        optimizer=cfg.optimizer.target,
+        optimizer_kwargs=dict(cfg.optimizer.kwargs),
+        clip_grad_norm=math.inf if max_norm is None else max_norm,  # the loop always computes the norm
+        strategy=dist.strategy,
+        world_size=world_size,
+        mixed_precision=getattr(dist, "mixed_precision", None),
+        grad_accumulation=accumulation,
+        vocab_size=len(tokenizer),
+        allow_custom_targets=cfg.allow_custom_targets,
+    )
+    unknown = sorted(set(options) - set(_SETTING_NAMES))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a setting of the estimate; allowed: {', '.join(_SETTING_NAMES)}")
+    if "loss" in options and options["loss"] != loss:
+        options.setdefault("loss_kwargs", {})  # the recipe's loss arguments belong to the recipe's loss
+    return _without_weights(cfg.model), dataclasses.replace(settings, **options)
+
+
+def _loss_kind(target: str) -> str:
+    kinds = {"remat.loss.MaskedCrossEntropy": "plain", "remat.loss.masked.MaskedCrossEntropy": "plain",
+             "remat.loss.FusedLinearCrossEntropy": "fused", "remat.loss.fused.FusedLinearCrossEntropy": "fused"}
+    if target not in kinds:
+        raise ConfigError(f"loss_fn._target_: the estimate models remat.loss.MaskedCrossEntropy and "
+                          f"remat.loss.FusedLinearCrossEntropy; got {target!r}")
+    return kinds[target]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,177 @@
+"""Presenting memory estimates: plain-text and rich tables, capacity parsing, and a PNG chart of the breakdowns."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from remat.errors import ConfigError
+from remat.memory.allocator_replay import ESTIMATE_CATEGORIES
+
+if TYPE_CHECKING:
+    from remat.memory.estimate import MemoryEstimate
+
+GIB: Final[int] = 2**30
+UNITS: Final[dict[str, int]] = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*$")
+_COLORS: Final[dict[str, str]] = {
+    "parameters": "#4C72B0", "buffers": "#8172B2", "gradients": "#DD8452", "optimizer_state": "#55A868",
+    "activations": "#C44E52", "temporaries": "#937860", "gradient_buckets": "#DA8BC3",
+}
+
+
+def parse_capacity(text: str, *, key: str = "--fits") -> int:
+    """Bytes in a size such as ``"80GiB"``, ``"80 GB"`` or ``"24576MiB"`` (a unit is required)."""
+    match = _CAPACITY.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in UNITS:
+        raise ConfigError(f"{key}: got {text!r}; allowed: a number with a unit, one of "
+                          f"{', '.join(u if u == 'b' else u[:-1].upper() + u[-1] for u in UNITS)} (e.g. 80GiB)")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def gib(nbytes: int) -> str:
+    """``nbytes`` in GiB with two decimals."""
+    return f"{nbytes / GIB:.2f}"
+
+
+def gb(nbytes: int) -> str:
+    """``nbytes`` in GB (10^9 bytes) with two decimals."""
+    return f"{nbytes / 1e9:.2f}"
+
+
+def describe_settings(estimate: MemoryEstimate) -> str:
+    """One line: model, shapes, precision, strategy and target of an estimate."""
+    s = estimate.settings
+    precision = s.dtype or "the model's dtype"
+    if s.autocast:
+        precision += f", autocast {s.autocast}"
+    if s.mixed_precision:
+        precision += f", FSDP compute in {s.mixed_precision}"
+    parallel = s.strategy if s.strategy == "single" else f"{s.strategy} over {s.world_size} ranks"
+    accumulation = f", {s.grad_accumulation} micro-batches per step" if s.grad_accumulation > 1 else ""
+    return (f"{estimate.model}; batch {s.batch_size} x {s.seq_length} tokens{accumulation}; {precision}; "
+            f"optimizer {s.optimizer.rsplit('.', 1)[-1]}; {parallel}; modelled for {s.target.upper()}")
+
+
+def breakdown_table(estimate: MemoryEstimate, *, capacity_bytes: int | None = None) -> str:
+    """A plain-text report of one estimate: the breakdown at the peak and the other figures."""
+    rows = [(name, gib(estimate.breakdown.get(name, 0)), gb(estimate.breakdown.get(name, 0)),
+             _share(estimate.breakdown.get(name, 0), estimate.peak_bytes)) for name in ESTIMATE_CATEGORIES]
+    rows.append(("peak", gib(estimate.peak_bytes), gb(estimate.peak_bytes), "100%"))
+    lines = [f"{estimate.name}: {describe_settings(estimate)}",
+             _columns(("at the peak", "GiB", "GB", "share"), rows),
+             f"peak phase: {estimate.phase}",
+             f"tensor bytes at the peak, without allocator rounding: {gib(estimate.tensor_peak_bytes)} GiB",
+             f"first step (optimizer state created during it): {gib(estimate.first_step_peak_bytes)} GiB"]
+    if estimate.reserved_bytes is not None:
+        lines.append(f"reserved by the caching allocator (model): {gib(estimate.reserved_bytes)} GiB")
+    if capacity_bytes is not None:
+        lines.append(f"fits {gib(capacity_bytes)} GiB: {'yes' if estimate.fits(capacity_bytes) else 'NO'}")
+    lines.extend(f"note: {note}" for note in estimate.notes)
+    return "\n".join(lines)
+
+
+_COMPARE_HEADER: Final[tuple[str, ...]] = (
+    "setting", "peak GiB", "peak GB", "params", "grads", "optim", "activ", "temps", "phase",
+)
+_COMPARE_NOTE: Final[str] = "breakdown columns are GiB at the peak; params include buffers, grads include DDP buckets"
+
+
+def _compare_rows(estimates: Sequence[MemoryEstimate], capacity_bytes: int | None) -> list[tuple[str, ...]]:
+    rows = []
+    for e in estimates:
+        b = e.breakdown
+        row = (e.name, gib(e.peak_bytes), gb(e.peak_bytes), gib(b["parameters"] + b["buffers"]),
+               gib(b["gradients"] + b["gradient_buckets"]), gib(b["optimizer_state"]), gib(b["activations"]), gib(b["temporaries"]),
+               e.phase)
+        if capacity_bytes is not None:
+            row += ("yes" if e.fits(capacity_bytes) else "NO",)
+        rows.append(row)
+    return rows
+
+
+def comparison_table(estimates: Sequence[MemoryEstimate], *, capacity_bytes: int | None = None) -> str:
+    """One row per estimate, side by side: the peak and its breakdown (GiB), its phase, and whether it fits."""
+    header = _COMPARE_HEADER + ((f"fits {gib(capacity_bytes)} GiB",) if capacity_bytes is not None else ())
+    table = _columns(header, _compare_rows(estimates, capacity_bytes), left=frozenset({0, 8}))
+    lines = [describe_settings(estimates[0]) if estimates else "", table]
+    lines.append(_COMPARE_NOTE)
+    return "\n".join(lines)
+
+
+def print_comparison(estimates: Sequence[MemoryEstimate], *, capacity_bytes: int | None = None,
+                     rich: bool = False) -> None:
+    """Print `comparison_table`, as a rich table when ``rich`` (an interactive terminal)."""
+    if not rich:
+        print(comparison_table(estimates, capacity_bytes=capacity_bytes))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    header = _COMPARE_HEADER + ((f"fits {gib(capacity_bytes)} GiB",) if capacity_bytes is not None else ())
+    table = Table(title=describe_settings(estimates[0]) if estimates else None, title_justify="left")
+    for index, name in enumerate(header):
+        table.add_column(name, justify="left" if index in (0, 8) else "right")
+    for row in _compare_rows(estimates, capacity_bytes):
+        style = "red" if capacity_bytes is not None and row[-1] == "NO" else None
+        table.add_row(*row, style=style)
+    table.caption = _COMPARE_NOTE
+    Console().print(table)
+
+
+def plot_breakdowns(estimates: Sequence[MemoryEstimate], path: str | Path, *,
+                    capacity_bytes: int | None = None) -> Path:
+    """Write a PNG with one stacked bar per estimate (its breakdown at the peak, GiB); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not estimates:
+        raise ConfigError("--plot: there is no estimate to plot")
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise ConfigError(f"--plot: got {str(path)!r}; allowed: a path ending in .png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    names = [e.name for e in estimates]
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.3 * len(estimates) + 2.5), 4.8))
+    bottoms = [0.0] * len(estimates)
+    for category in ESTIMATE_CATEGORIES:
+        values = [e.breakdown.get(category, 0) / GIB for e in estimates]
+        if not any(values):
+            continue
+        axes.bar(names, values, bottom=bottoms, label=category.replace("_", " "), color=_COLORS[category])
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for index, e in enumerate(estimates):
+        axes.text(index, bottoms[index], gib(e.peak_bytes), ha="center", va="bottom", fontsize=8)
+    if capacity_bytes is not None:
+        axes.axhline(capacity_bytes / GIB, color="black", linestyle="--", linewidth=1,
+                     label=f"capacity {gib(capacity_bytes)} GiB")
+    axes.set_ylabel("GiB at the peak")
+    axes.set_title(f"Peak memory per setting ({estimates[0].settings.target.upper()} model)", fontsize=10)
+    axes.tick_params(axis="x", labelrotation=30, labelsize=8)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
+def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: frozenset[int] = frozenset({0})) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
