@@ -171,26 +171,37 @@ class _SegmentRun:
     def _recompute(self) -> None:
         outputs: list[list[torch.Tensor]] = []
         recomputed: dict[tuple[int, int], torch.Tensor] = {}
+        last = len(self.calls) - 1
         with torch.enable_grad(), _forked_rng(self.calls):
             for index, call in enumerate(self.calls):
                 args = tuple(_resolve(a, outputs) for a in call.args)
                 kwargs = {k: _resolve(v, outputs) for k, v in call.kwargs.items()}
                 saved: list[torch.Tensor] = []
+                # The last block's output is not needed: stop as soon as it has saved all it saved in the forward
+                # (like torch's early stop), which skips its final ops (e.g. the MLP's down projection).
+                stop_at = len(call.saved) if index == last else None
 
-                def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
+                def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved, stop_at: int | None = stop_at) -> Any:
                     # Detached: a saved output holding its own grad_fn would make a reference cycle that keeps the
                     # whole replay alive until the garbage collector runs.
                     detached = tensor.detach() if tensor.requires_grad else tensor
                     saved.append(detached)
+                    if len(saved) == stop_at:
+                        raise _ReplayDone
                     return detached
 
                 _check_gathered(call.inner, self.segment)
                 call.rng.restore()
-                with ExitStack() as stack:
-                    for device_type, enabled, dtype in call.autocast:
-                        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-                    out = call.inner(*args, **kwargs)
+                out = None
+                if stop_at != 0:
+                    try:
+                        with ExitStack() as stack:
+                            for device_type, enabled, dtype in call.autocast:
+                                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+                            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+                            out = call.inner(*args, **kwargs)
+                    except _ReplayDone:
+                        pass
                 self._check(index, call, saved)
                 recomputed.update(((index, n), t) for n, t in enumerate(saved))
                 outputs.append(_tensor_leaves(out))
@@ -225,6 +236,10 @@ def _check_gathered(inner: Callable[..., Any], segment: Segment) -> None:
             "the segment is replayed in backward. Shard each segment as one unit (fully_shard(list of the "
             "segment's blocks) for each group of CheckpointPlan.shard_groups()), or use full / every_n_layers"
         )
+
+
+class _ReplayDone(Exception):
+    """Raised from the replay's pack hook once the last block has saved everything backward needs."""
 
 
 def _unpack(ticket: _Ticket) -> torch.Tensor:
