@@ -67,3 +67,14 @@ def test_default_context_on_the_cpu_copies_nothing() -> None:
     step_grads(model, batch())
     assert plan.offload_context.stats.offloaded_tensors == 0
     assert plan.offload_context.stats.skipped["host"] > 0
+
+
+def test_offload_as_a_per_layer_exception() -> None:
+    model = tiny_model("llama")
+    ids = batch()
+    expected = step_grads(model, ids)
+    context = _copying_context(model)
+    plan = apply_activation_checkpointing(model, {"mode": "full", "layers": {"3": "offload"}}, offload_context=context)
+    assert [(layer.mode, layer.offload) for layer in plan] == [("full", False)] * 3 + [("offload", True)]
+    assert_same_grads(expected, step_grads(model, ids))
+    assert context.stats.offloaded_tensors > 10  # what block 3 saves

@@ -63,7 +63,7 @@ def _check_fits(policy: CheckpointPolicy, num_blocks: int) -> None:
 def _request(policy: CheckpointPolicy, index: int) -> _Request:
     override = policy.override_for(index)
     if override is not None:
-        return _Request(override.mode, override.offload, f"layers[{override.key!r}]")
+        return _Request(override.mode, override.offload or override.mode == "offload", f"layers[{override.key!r}]")
     if index % policy.every_n_layers != 0:
         return _Request("none", False, f"every_n_layers={policy.every_n_layers}: not selected")
     return _Request(policy.mode, policy.offload or policy.mode == "offload", "")
