@@ -29,19 +29,10 @@ POLICIES: dict[str, tuple[Any, int, int]] = {
     "per_layer": ({"mode": "full", "layers": {"1": "selective", "2": "mlp", "3": "none"}}, 3, 0),
 }
 
-# gemma3n's AltUp adds in place into the output of a matmul (`predictions += hidden_states` on the result of
-# torch.matmul, an _unsafe_view of a bmm that does not share the bmm output's version counter). When the selective
-# policy caches that bmm output, torch's selective-checkpoint cache returns the mutated tensor in backward without
-# noticing, and the gradients are wrong. The selective policy (remat.checkpointing.selective) must not cache such
-# outputs; until it does, this combination is expected to fail loudly here.
-#
-# Mixtral's router divides its topk weights in place (`router_top_value /= ...sum()`); the selective policy caches
-# topk outputs, so torch raises "Tensor cached during selective activation checkpoint has been mutated".
-KNOWN_FAILURES = {
-    ("gemma3n_text", "selective"): "selective caches a bmm output that gemma3n's AltUp mutates in place (silently)",
-    ("mixtral", "selective"): "selective caches the router's topk output, which Mixtral normalises in place",
-    ("mixtral", "per_layer"): "block 1 is selective: see mixtral-selective",
-}
+# (arch, policy id) -> reason, for combinations expected to fail (strict xfail). None now: the selective cache once
+# served outputs mutated in place (Mixtral's router topk, gemma3n's AltUp bmm); remat.checkpointing.selective now
+# recomputes such entries instead.
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 # The matrix: every architecture of the issue (phi3 is covered by the discovery tests).
 MATRIX_ARCHS = [arch for arch in ARCHS if arch != "phi3"]
 

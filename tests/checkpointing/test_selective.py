@@ -25,6 +25,7 @@ from remat.checkpointing.selective import (
     TRACE_ENV_VAR,
     Decision,
     SelectivePolicy,
+    mutation_safe_contexts,
     reset_selective_trace,
     selective_context_fn,
     selective_trace_summary,
@@ -385,3 +386,243 @@ def test_bad_env_value_and_bad_arguments_are_config_errors(monkeypatch: pytest.M
         selective_context_fn(trace="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"save_every_other_mm=\.\.\.\) got 2"):
         selective_context_fn(save_every_other_mm=2)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------- in-place writes
+# Torch's selective-checkpoint cache replays saved outputs by call index; an output written in place after it was
+# saved must be recomputed instead (remat.checkpointing.selective.mutation_safe_contexts).
+def _unguarded_selective() -> Any:
+    """Torch's own contexts with remat's policy and no mutation guard: what remat did before the guard."""
+    return create_selective_checkpoint_contexts(SelectivePolicy())
+
+
+def _grads(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], context_fn: Any) -> list[torch.Tensor]:
+    """Gradients of fn(*inputs).sum() wrt inputs: context_fn=None runs fn without checkpointing, "full" under full
+    checkpointing, anything else is a selective context_fn."""
+    for t in inputs:
+        t.grad = None
+    if context_fn is None:
+        out = fn(*inputs)
+    elif context_fn == "full":
+        out = checkpoint(fn, *inputs, use_reentrant=False)
+    else:
+        out = checkpoint(fn, *inputs, use_reentrant=False, context_fn=context_fn)
+    out.sum().backward()
+    return [t.grad.clone() for t in inputs]
+
+
+def _assert_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+class MutatingBlock(nn.Module):
+    """A block that writes into matmul outputs the selective policy saves: the first through the output itself
+    (its version counter moves; torch would raise), the second through ``torch.matmul``'s ``_unsafe_view`` of a bmm
+    (its own version counter: torch sees nothing), as gemma3n's AltUp does."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.mix = nn.Parameter(torch.randn(3, dim, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [3, tokens, dim]
+        h = x.reshape(-1, x.shape[-1]).mm(self.up)  # mm 1: saved
+        h.mul_(0.5)  # written in place through the saved tensor itself
+        h = torch.tanh(h).reshape(x.shape)
+        p = torch.matmul(h, self.mix)  # bmm 2 (recomputed) ... matmul's 3-D path: _unsafe_view(bmm out)
+        p = torch.tanh(p)
+        q = torch.matmul(p, self.mix)  # bmm 3: saved, returned as an _unsafe_view
+        q += x  # written through the alias, which does not share the bmm output's version counter
+        return torch.sin(q).reshape(-1, x.shape[-1]).mm(self.down)
+
+
+def test_outputs_written_in_place_are_recomputed_and_gradients_match(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    block = MutatingBlock()
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    inputs = [x, *block.parameters()]
+    expected = _grads(lambda x, *_: block(x), inputs, None)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        got = _grads(lambda x, *_: block(x), inputs, selective_context_fn(trace=True))
+    _assert_equal(got, expected)
+    downgrades = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DOWNGRADE")]
+    assert downgrades == [
+        "DOWNGRADE aten.mm.default  saved output later written in place (by aten.mul_.Tensor in the forward): "
+        "recomputed in backward instead",
+        "DOWNGRADE aten.bmm.default  saved output later written in place (by aten.add_.Tensor in the forward): "
+        "recomputed in backward instead",
+    ]
+    summary = {r.op: r for r in selective_trace_summary()}
+    assert (summary["aten.mm.default"].saved, summary["aten.mm.default"].downgraded) == (1, 1)  # the last mm: not saved
+    assert (summary["aten.bmm.default"].saved, summary["aten.bmm.default"].downgraded) == (1, 1)
+
+    # Without the guard, torch raises for the first write and would return the second silently mutated.
+    with pytest.raises(RuntimeError, match="cached during selective activation checkpoint has been mutated"):
+        _grads(lambda x, *_: block(x), inputs, _unguarded_selective)
+
+
+def test_unsafe_view_write_is_silent_without_the_guard() -> None:
+    """gemma3n's AltUp.predict in miniature: the hazard is real, and torch does not notice it."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 3, 4, 5, requires_grad=True)  # [altup inputs, batch, tokens, dim]
+    coefs = torch.randn(3, 4, 2, 2, requires_grad=True)
+
+    def predict(hidden: torch.Tensor, coefs: torch.Tensor) -> torch.Tensor:
+        predictions = torch.matmul(hidden.permute(1, 2, 3, 0), coefs).permute(3, 0, 1, 2)
+        predictions += hidden
+        return predictions.contiguous().sin()
+
+    expected = _grads(predict, [hidden, coefs], None)
+    assert any(not torch.equal(g, e) for g, e in zip(_grads(predict, [hidden, coefs], _unguarded_selective), expected))
+    _assert_equal(_grads(predict, [hidden, coefs], selective_context_fn()), expected)
+
+
+@pytest.mark.parametrize("through_alias", [False, True])
+def test_write_after_the_region_is_caught_before_recompute(through_alias: bool) -> None:
+    """The caller writes into a returned saved output after the region: the entry is recomputed in backward.
+
+    Without checkpointing autograd refuses this (sin saved the tensor); full checkpointing recomputes it exactly,
+    and so must selective."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(2, 4, 6, requires_grad=True)
+
+    def region(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # 3-D @ 2-D: matmul returns _unsafe_view(mm out), an alias with its own version counter; mm's own output
+        # (a 2-D product) is the saved tensor itself.
+        y = torch.matmul(x, w) if through_alias else x.reshape(-1, 6).mm(w)
+        return y, torch.sin(y)
+
+    def fn(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> torch.Tensor:
+        if context_fn == "full":
+            y, z = checkpoint(region, x, w, use_reentrant=False)
+        else:
+            y, z = checkpoint(region, x, w, use_reentrant=False, context_fn=context_fn)
+        y.mul_(3.0)
+        return (y * z).sum()
+
+    def grads(context_fn: Any) -> list[torch.Tensor]:
+        x.grad = w.grad = None
+        fn(x, w, context_fn).backward()
+        return [x.grad.clone(), w.grad.clone()]
+
+    expected = grads("full")
+    _assert_equal(grads(selective_context_fn()), expected)
+    if through_alias:
+        assert any(not torch.equal(g, e) for g, e in zip(grads(_unguarded_selective), expected))
+    else:
+        with pytest.raises(RuntimeError, match="has been mutated"):
+            grads(_unguarded_selective)
+
+
+def test_in_place_ops_are_never_cached() -> None:
+    """A cached in-place op would stand in for the call in recompute and the write into its input would be lost."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the _c10d_functional ops)
+
+    x = torch.randn(4, 8)
+    for op in (torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.broadcast_.default):
+        decision, saved, reason = SelectivePolicy().decide(op, (x, "sum", "0"), {}, x)
+        assert (decision, saved) == (Decision.RECOMPUTE, False), op
+        assert reason.startswith("writes into an input")
+    assert _decide(aten.mm.out, x, x.T, out=torch.empty(4, 4)) == (Decision.RECOMPUTE, False)
+
+    # Any policy under mutation_safe_contexts: even MUST_SAVE of an in-place op is overridden.
+    def save_everything(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE
+
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        g = h.clone()
+        g.add_(1.0)  # returns g; recompute must still write into the recomputed g
+        return (g * h).tanh() * g
+
+    expected = _grads(fn, [x.requires_grad_(), w], None)
+    _assert_equal(_grads(fn, [x, w], lambda: mutation_safe_contexts(save_everything)), expected)
+    with pytest.raises(RuntimeError, match="has been mutated"):  # torch's own contexts: the cached add_ is stale
+        _grads(fn, [x, w], lambda: create_selective_checkpoint_contexts(save_everything))
+
+
+def test_models_without_in_place_writes_downgrade_nothing() -> None:
+    model = tiny_llama()
+    checkpoint_layers(model, selective_context_fn(trace=True))
+    llama_step(model, torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3)))
+    summary = selective_trace_summary()
+    assert any(r.saved for r in summary)
+    assert all(r.downgraded == 0 for r in summary)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "expected"),
+    [
+        ("mixtral", "DOWNGRADE aten.topk.default  saved output later written in place (by aten.div_.Tensor in the "
+         "forward): recomputed in backward instead"),
+        ("gemma3n_text", "DOWNGRADE aten.bmm.default  saved output later written in place (by aten.add_.Tensor in "
+         "the forward): recomputed in backward instead"),
+    ],
+)
+def test_real_models_trace_their_downgrades(arch: str, expected: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Mixtral divides its router's topk values in place; gemma3n's AltUp adds into a bmm output through
+    torch.matmul's _unsafe_view (modeling_gemma3n.py: ``predictions += hidden_states``). The exact gradients are
+    asserted by test_gradients.py; here the trace names the write."""
+    from ckpt_models import batch, tiny_model
+
+    model = tiny_model(arch, num_layers=2)
+    checkpoint_layers(model, selective_context_fn(trace=True))
+    ids = batch()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert expected in [r.getMessage() for r in caplog.records]
+
+
+def test_torch_internals_the_guard_relies_on() -> None:
+    """Fails loudly when torch changes what mutation_safe_contexts relies on (checked against torch 2.13)."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    from remat.checkpointing.selective import _sac_internals
+
+    internals = _sac_internals()
+    assert internals.recompute is torch_checkpoint._RECOMPUTE
+    assert internals.version_wrapper is torch_checkpoint._VersionWrapper
+
+    policy_calls: list[bool] = []
+
+    def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        policy_calls.append(ctx.is_recompute)
+        return CheckpointPolicy.MUST_SAVE if op is aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    w = torch.randn(4, 4, requires_grad=True)
+    forward, recompute = mutation_safe_contexts(policy)
+    storage = forward.inner.storage
+    assert recompute.inner.storage is storage
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.mm(w)
+        h.add_(1.0)  # downgrades the mm entry at the exit of the forward
+        return x.mm(w).sin() * h.cos()  # second mm stays cached
+
+    y = checkpoint(fn, torch.randn(3, 4), use_reentrant=False, context_fn=lambda: (forward, recompute))
+    forward_calls = len(policy_calls)
+    # {op key: {call index: entry}}, each entry the _RECOMPUTE sentinel or a tree of _VersionWrapper(.val, .version)
+    assert storage[aten.mm.default][0] is torch_checkpoint._RECOMPUTE
+    cached = storage[aten.mm.default][1]
+    assert isinstance(cached, torch_checkpoint._VersionWrapper) and cached.version == cached.val._version
+    assert storage[aten.sin.default][0] is torch_checkpoint._RECOMPUTE
+    y.sum().backward()
+    assert len(policy_calls) == forward_calls and not any(policy_calls)  # recompute replays entries, no policy
+
+
+def test_missing_torch_internals_are_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import checkpoint as torch_checkpoint
+
+    from remat.checkpointing import selective
+    from remat.errors import CheckpointingError
+
+    monkeypatch.setattr(selective, "_internals", [])
+    monkeypatch.delattr(torch_checkpoint, "_RECOMPUTE")
+    with pytest.raises(CheckpointingError, match=r"internals of torch.utils.checkpoint as of torch 2.13.*_RECOMPUTE"):
+        selective_context_fn()()

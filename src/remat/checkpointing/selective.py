@@ -11,9 +11,19 @@ decides per op call:
 - ``RECOMPUTE``: everything else (element-wise ops, norms, views, softmax, ...), and every op that draws random
   numbers even if a table lists it (see :func:`draws_random_numbers`).
 
+An op that writes into one of its inputs (``add_``, ``out=`` variants, in-place collectives) is never saved: its
+cached result would stand in for the call during recompute, and the write into the recomputed input would be lost.
+
+A saved output that the forward later mutates in place is not kept either (see :func:`mutation_safe_contexts`):
+the cache would hand the mutated values to backward. Mixtral normalises its router's ``topk`` values in place, and
+gemma3n's AltUp adds into a ``bmm`` output through ``torch.matmul``'s ``_unsafe_view`` (a view with its own version
+counter, so torch's own check never sees the write). Such an entry is downgraded to recompute when the checkpointed
+forward exits, or before recompute when the write came after the region.
+
 Use it as ``checkpoint(fn, *args, use_reentrant=False, context_fn=selective_context_fn())``. With ``trace=True`` or
 ``REMAT_SELECTIVE_AC_TRACE=1`` each unique (op, decision) pair is logged once per process on the
-``remat.checkpointing.selective`` logger at INFO; :func:`selective_trace_summary` returns what was seen.
+``remat.checkpointing.selective`` logger at INFO, and so is each unique downgrade; :func:`selective_trace_summary`
+returns what was seen.
 """
 
 from __future__ import annotations
@@ -22,12 +32,15 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from enum import Enum
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -35,7 +48,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.errors import ConfigError
+from remat.errors import CheckpointingError, ConfigError
 
 __all__ = [
     "ALTERNATE_OPS",
@@ -47,6 +60,7 @@ __all__ = [
     "SelectivePolicy",
     "TraceRecord",
     "draws_random_numbers",
+    "mutation_safe_contexts",
     "reset_selective_trace",
     "selective_context_fn",
     "selective_trace_enabled",
@@ -103,6 +117,10 @@ CPU they are ordinary cheap ops and are recomputed."""
 
 _RANDOM_REASON = "draws random numbers: recomputed so the RNG stream replays draw for draw"
 _DEFAULT_REASON = "cheap to recompute (element-wise, normalisation, view, reduction, ...)"
+_IN_PLACE_REASON = (
+    "writes into an input: a cached result would replace the call in recompute and the write would be lost, so it "
+    "is recomputed (an in-place collective communicates again in backward, on every rank alike)"
+)
 
 
 class Decision(str, Enum):
@@ -118,7 +136,9 @@ class TraceRecord:
     """One unique (op, decision) pair seen by a traced policy in this process.
 
     ``shapes``/``dtypes``/``nbytes`` describe the tensor outputs of the first call; ``calls`` counts every forward
-    call since the last reset and ``saved`` how many of those outputs were kept (for ``ALTERNATE`` about half).
+    call since the last reset and ``saved`` how many of those outputs were kept (for ``ALTERNATE`` about half);
+    ``downgraded`` how many of the saved ones were dropped again because the forward (or the code after the region)
+    wrote into them in place, and are recomputed in backward instead (see :func:`mutation_safe_contexts`).
     """
 
     decision: Decision
@@ -129,6 +149,7 @@ class TraceRecord:
     reason: str
     calls: int = 0
     saved: int = 0
+    downgraded: int = 0
 
     def format(self) -> str:
         """The trace line, e.g. ``ALTERNATE aten.mm.default  out [4, 512] float32 8.0 KiB  (dense matmul ...)``.
@@ -154,9 +175,10 @@ def selective_trace_summary() -> list[TraceRecord]:
 
 
 def reset_selective_trace() -> None:
-    """Forget every traced op, so the next traced run logs each unique op again and counts from zero."""
+    """Forget every traced op and downgrade, so the next traced run logs each unique one again and counts from zero."""
     with _trace_lock:
         _trace_records.clear()
+        _downgrades_logged.clear()
 
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -221,8 +243,7 @@ def _moves_to_host(op_name: str, args: tuple[Any, ...], out: Any) -> bool:
     return True  # .item() and nonzero read a result back to the host whatever the output device
 
 
-def _static_rule(op: Any) -> tuple[Decision | None, str]:
-    """The table decision for an op (None: depends on the devices of the call), and its reason."""
+def _table_rule(op: Any) -> tuple[Decision | None, str]:
     name = _op_name(op)
     if name in SAVE_OPS:
         return Decision.SAVE, SAVE_OPS[name]
@@ -234,6 +255,17 @@ def _static_rule(op: Any) -> tuple[Decision | None, str]:
     if name in DEVICE_TO_HOST_OPS:
         return None, DEVICE_TO_HOST_OPS[name]
     return Decision.RECOMPUTE, _DEFAULT_REASON
+
+
+def _static_rule(op: Any) -> tuple[Decision | None, str]:
+    """The table decision for an op (None: depends on the devices of the call), and its reason.
+
+    An op that writes into an input is recomputed whatever the tables say (see :data:`_IN_PLACE_REASON`).
+    """
+    decision, reason = _table_rule(op)
+    if decision is not Decision.RECOMPUTE and _written_arguments(op):
+        return Decision.RECOMPUTE, f"{_IN_PLACE_REASON} (otherwise: {reason})"
+    return decision, reason
 
 
 _static_rules: dict[Any, tuple[Decision | None, str]] = {}
@@ -322,6 +354,339 @@ def _format_bytes(n: int) -> str:
 
 
 ContextPair = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
+PolicyFn = Callable[..., "CheckpointPolicy | bool"]
+
+
+# ---------------------------------------------------------------------------------- cached outputs mutated in place
+#
+# Torch's selective checkpointing stores, per (op, call index), either "recompute" or the detached output, and
+# recompute replays those entries by index without looking at the policy again. An output that the forward mutates in
+# place after it was stored would be handed to backward mutated. Torch catches that only when the write bumps the
+# output's own version counter (then it raises); a write through an alias with its own counter goes unseen. The
+# common case is ``torch.matmul`` on operands of more than two dimensions: it runs ``bmm`` and returns
+# ``_unsafe_view(bmm_out)``, which shares the storage but not the version counter, so gemma3n's AltUp
+# (``predictions = torch.matmul(...); predictions += hidden_states``) corrupted the cached bmm output silently.
+#
+# mutation_safe_contexts therefore follows the storages of the outputs it saves: every op the policy sees whose
+# schema writes into an argument (``Tensor(a!)``) marks the storage it writes into, every non-view output that
+# shares a saved storage (``_unsafe_view``) is remembered with its version, and when the checkpointed forward exits
+# each saved entry whose storage was written, or whose version moved, is replaced by torch's "recompute" sentinel.
+# Right before recompute the same check runs again for writes made after the region (through the output or such an
+# alias). Recomputing an entry is exact: recompute re-runs every call that is not served from the cache, so the op's
+# inputs are recomputed to their forward values (or served from entries that are themselves clean), and random ops
+# are never cached. Writes the dispatcher never sees (through ``.data`` made outside the region, or by kernels
+# launched outside torch's dispatcher) cannot be followed; torch's own version check still raises on the rest.
+
+
+def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument the op writes into (``Tensor(a!)`` in its schema); () without a schema."""
+    found = _written_args_cache.get(op)
+    if found is None:
+        schema = getattr(op, "_schema", None)
+        found = () if schema is None else tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        _written_args_cache[op] = found
+    return found
+
+
+def _returns_alias(op: Any) -> bool:
+    """Whether the schema declares an output as an alias of an input (views, in-place ops). Such an output shares
+    its input's version counter; an output that shares storage without the annotation (``_unsafe_view``) does not."""
+    found = _returns_alias_cache.get(op)
+    if found is None:
+        schema = getattr(op, "_schema", None)
+        found = schema is None or any(r.alias_info is not None for r in schema.returns)
+        _returns_alias_cache[op] = found
+    return found
+
+
+_written_args_cache: dict[Any, tuple[tuple[int, str], ...]] = {}
+_returns_alias_cache: dict[Any, bool] = {}
+
+
+def _storage_ids(value: Any) -> set[int]:
+    """Identities of the storages behind the tensors in ``value`` (for wrapper subclasses such as DTensor, of their
+    inner tensors). A tensor whose storage cannot be read (functional tensors while tracing) is left out."""
+    ids: set[int] = set()
+    if type(value) is torch.Tensor:  # the common case, without the pytree walk
+        _add_storage_ids(value, ids)
+        return ids
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            _add_storage_ids(leaf, ids)
+    return ids
+
+
+def _add_storage_ids(tensor: torch.Tensor, ids: set[int]) -> None:
+    if type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            _add_storage_ids(getattr(tensor, name), ids)
+        return
+    try:
+        ids.add(tensor.untyped_storage()._cdata)
+    except Exception:  # noqa: BLE001 - no storage to follow (fake/functional tensors, sparse); the version check stays
+        pass
+
+
+def _argument(args: tuple[Any, ...], kwargs: Mapping[str, Any], position: int, name: str) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if position < len(args) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SacInternals:
+    """The private parts of ``torch.utils.checkpoint`` (torch 2.13) that :func:`mutation_safe_contexts` relies on:
+
+    - ``create_selective_checkpoint_contexts`` returns (caching mode, cached mode) sharing ``.storage``, a mapping
+      {op key: {call index: entry}} filled by the forward and read back, entry by entry and in call order, by the
+      recompute without calling the policy again;
+    - an entry is the ``_RECOMPUTE`` sentinel (the recompute re-runs the call) or ``tree_map(_VersionWrapper, out)``,
+      each wrapper holding ``.val`` (the detached output, sharing the output's version counter) and ``.version``.
+
+    :func:`_sac_internals` checks all of it once and raises a CheckpointingError naming the torch version when
+    something changed; ``tests/checkpointing/test_selective.py`` checks it too, and the behaviour end to end.
+    """
+
+    recompute: object
+    version_wrapper: type
+
+
+_internals: list[_SacInternals] = []
+
+
+def _sac_internals() -> _SacInternals:
+    if _internals:
+        return _internals[0]
+    from torch.utils import checkpoint as torch_checkpoint
+
+    recompute = getattr(torch_checkpoint, "_RECOMPUTE", None)
+    wrapper_type = getattr(torch_checkpoint, "_VersionWrapper", None)
+    problems = []
+    if recompute is None:
+        problems.append("torch.utils.checkpoint._RECOMPUTE is gone")
+    if not isinstance(wrapper_type, type):
+        problems.append("torch.utils.checkpoint._VersionWrapper is gone")
+    else:
+        probe = wrapper_type(torch.zeros(1))
+        if not (isinstance(getattr(probe, "val", None), torch.Tensor) and getattr(probe, "version", None) == 0):
+            problems.append("_VersionWrapper no longer has .val and .version")
+    forward, backward = create_selective_checkpoint_contexts(lambda *_a, **_k: CheckpointPolicy.PREFER_RECOMPUTE)
+    storage = getattr(forward, "storage", None)
+    if not isinstance(storage, dict) or getattr(backward, "storage", None) is not storage:
+        problems.append("the two selective-checkpoint modes no longer share a .storage dict")
+    if problems:
+        raise CheckpointingError(
+            f"remat's selective checkpointing relies on internals of torch.utils.checkpoint as of torch 2.13 to keep "
+            f"outputs mutated in place out of its cache, and torch {torch.__version__} changed them: "
+            f"{'; '.join(problems)}. Use policy 'full' (exact, no op-level cache) until remat supports this torch"
+        )
+    _internals.append(_SacInternals(recompute=recompute, version_wrapper=wrapper_type))
+    return _internals[0]
+
+
+_AFTER_REGION = "after the checkpointed region, before backward"
+_UNSEEN_WRITE = "in the forward, by a write the policy did not see (the version counter moved)"
+
+
+class _MutationGuard:
+    """Follows the saved outputs of one checkpointed region and the in-place writes into their storages."""
+
+    def __init__(self, trace: bool) -> None:
+        self.trace = trace
+        self.saved: dict[int, str] = {}  # storage id -> first op whose saved output lives there (forward only)
+        self.written: dict[int, str] = {}  # saved storage id -> how it was written into afterwards
+        # Outputs sharing a saved storage without sharing its version counter: (weak reference, version seen).
+        self.aliases: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = defaultdict(list)
+        # From the exit of the forward to recompute: (storage id, detached alias, version at the exit). A detached
+        # tensor shares the alias's version counter and storage (kept alive by the cache entry anyway) and has no
+        # autograd graph, so holding it costs no memory and makes no reference cycle; the alias's Python object
+        # itself may be gone by backward (the caller dropped it) while writes through it were still possible.
+        self.watched: list[tuple[int, torch.Tensor, int]] = []
+
+    def observe(self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any, saved: bool) -> None:
+        """One forward call, seen by the policy after it ran and before torch stores its entry."""
+        if self.saved:
+            written = _written_arguments(op)
+            if written:
+                for position, name in written:
+                    for sid in _storage_ids(_argument(args, kwargs, position, name)):
+                        if sid in self.saved:
+                            self.written.setdefault(sid, f"by {_op_name(op)} in the forward")
+            elif not saved and not _returns_alias(op):
+                for leaf in (out,) if type(out) is torch.Tensor else tree_leaves(out):
+                    if isinstance(leaf, torch.Tensor):
+                        for sid in _storage_ids(leaf):
+                            if sid in self.saved:
+                                self.aliases[sid].append((weakref.ref(leaf), leaf._version))
+        if saved:
+            name = _op_name(op)
+            for sid in _storage_ids(out):
+                self.saved.setdefault(sid, name)
+
+    def after_forward(self, storage: dict[Any, dict[int, Any]]) -> None:
+        """Downgrade the entries written during the forward; watch the aliases that could still be written."""
+        dirty = dict(self.written)
+        for sid, refs in self.aliases.items():
+            for ref, version in refs:
+                tensor = ref()
+                if tensor is not None and tensor._version != version:
+                    dirty.setdefault(sid, _UNSEEN_WRITE)
+        kept = self._downgrade(storage, dirty, _UNSEEN_WRITE)
+        with torch.no_grad():
+            self.watched = [
+                (sid, tensor.detach(), tensor._version)
+                for sid, refs in self.aliases.items()
+                if sid in kept
+                for tensor in (ref() for ref, _ in refs)
+                if tensor is not None
+            ]
+        self.saved.clear()
+        self.written.clear()
+        self.aliases.clear()
+
+    def before_recompute(self, storage: dict[Any, dict[int, Any]]) -> None:
+        """Downgrade the entries written after the region (through the output itself or a watched alias)."""
+        dirty = {sid: _AFTER_REGION for sid, tensor, version in self.watched if tensor._version != version}
+        self.watched = []
+        self._downgrade(storage, dirty, _AFTER_REGION)
+
+    def _downgrade(self, storage: dict[Any, dict[int, Any]], dirty: Mapping[int, str], moved: str) -> set[int]:
+        """Replace every entry whose storage is dirty or whose version moved by the recompute sentinel; returns the
+        storage ids of the entries still cached."""
+        internals = _sac_internals()
+        kept: set[int] = set()
+        for key, entries in storage.items():
+            for index, entry in entries.items():
+                if entry is internals.recompute:
+                    continue
+                leaves = (entry,) if isinstance(entry, internals.version_wrapper) else tree_leaves(entry)
+                wrappers = [
+                    w for w in leaves if isinstance(w, internals.version_wrapper) and isinstance(w.val, torch.Tensor)
+                ]
+                if not wrappers:
+                    continue
+                ids = _storage_ids(wrappers[0].val if len(wrappers) == 1 else [w.val for w in wrappers])
+                cause = next((dirty[sid] for sid in ids if sid in dirty), None)
+                if cause is None and any(w.val._version != w.version for w in wrappers):
+                    cause = moved
+                if cause is None:
+                    kept |= ids
+                    continue
+                entries[index] = internals.recompute
+                self._report(key, cause)
+        return kept
+
+    def _report(self, key: Any, cause: str) -> None:
+        op = key[0] if isinstance(key, tuple) else key
+        name = _op_name(op)
+        if self.trace:
+            _record_downgrade(name, cause)
+        if _op_namespace(op) in SAVE_OP_NAMESPACES:
+            _warn_once(
+                ("collective", name),
+                "selective checkpointing: the output of collective %s was written in place after it was saved (%s); "
+                "it is recomputed in backward, which communicates again (every rank runs the same code, so every "
+                "rank does it)",
+                name,
+                cause,
+            )
+
+
+_warned: set[Any] = set()
+
+
+def _warn_once(key: Any, message: str, *args: Any) -> None:
+    with _trace_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(message, *args)
+
+
+_downgrades_logged: set[tuple[str, str]] = set()
+
+
+def _record_downgrade(name: str, cause: str) -> None:
+    with _trace_lock:
+        for record in _trace_records.values():
+            if record.op == name and record.decision is not Decision.RECOMPUTE:
+                record.downgraded += 1
+                break
+        first = (name, cause) not in _downgrades_logged
+        _downgrades_logged.add((name, cause))
+    if first:
+        logger.info(
+            "DOWNGRADE %s  saved output later written in place (%s): recomputed in backward instead", name, cause
+        )
+
+
+class _GuardedMode(TorchDispatchMode):
+    """Stands for one of torch's two selective-checkpoint modes (it is entered and left in its place: only torch's
+    own mode is ever pushed, so higher-order ops that look their mode up by exact type still find it) and runs the
+    guard when the forward exits or before the recompute starts. A TorchDispatchMode itself because torch.compile
+    requires ``context_fn`` to return two of them."""
+
+    def __init__(self, inner: TorchDispatchMode, guard: _MutationGuard, *, forward: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.guard = guard
+        self.forward = forward
+
+    def __enter__(self) -> _GuardedMode:
+        if not self.forward:
+            self.guard.before_recompute(self.inner.storage)
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
+        result = self.inner.__exit__(exc_type, exc_value, traceback)
+        if self.forward and exc_type is None:
+            self.guard.after_forward(self.inner.storage)
+        return result
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise AssertionError("remat's guarded selective-checkpoint mode is never pushed itself")
+
+    @property
+    def ac_graph_id(self) -> Any:
+        """torch.compile tags the forward mode with the id of its checkpointed graph: it belongs to torch's mode."""
+        return getattr(self.inner, "ac_graph_id", None)
+
+    @ac_graph_id.setter
+    def ac_graph_id(self, value: Any) -> None:
+        self.inner.ac_graph_id = value
+
+
+def mutation_safe_contexts(policy_fn: PolicyFn, *, trace: bool = False) -> ContextPair:
+    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)``, except that backward never gets a
+    cached output that was written in place after it was cached: such an entry is recomputed instead.
+
+    ``policy_fn(ctx, op, *args, **kwargs)`` is any torch selective-checkpoint policy. On top of it, an op that writes
+    into one of its inputs is never cached (its cached result would replace the call in recompute and the write into
+    the recomputed input would be lost). Every op the policy sees that writes into the storage of a cached output,
+    every non-view output sharing such a storage whose version moves (``torch.matmul``'s ``_unsafe_view``), and
+    every change of a cached output's version counter downgrades that cache entry to recompute: at the exit of the
+    checkpointed forward (the memory is released then) or, for writes after the region, right before recompute.
+    ``trace=True`` logs each unique downgrade on the ``remat.checkpointing.selective`` logger.
+    """
+    _sac_internals()
+    guard = _MutationGuard(trace)
+
+    def guarded_policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        policy = policy_fn(ctx, op, *args, **kwargs)
+        if isinstance(policy, bool):
+            policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
+        saved = policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+        if saved and _written_arguments(op):
+            policy, saved = CheckpointPolicy.PREFER_RECOMPUTE, False
+        guard.observe(op, args, kwargs, ctx.op_output, saved)
+        return policy
+
+    forward, recompute = create_selective_checkpoint_contexts(guarded_policy)
+    return _GuardedMode(forward, guard, forward=True), _GuardedMode(recompute, guard, forward=False)
 
 
 def selective_context_fn(
@@ -343,6 +708,6 @@ def selective_context_fn(
     def context_fn() -> ContextPair:
         traced = selective_trace_enabled() if trace is None else trace
         policy = SelectivePolicy(save_every_other_mm=save_every_other_mm, trace=traced)
-        return create_selective_checkpoint_contexts(policy)
+        return mutation_safe_contexts(policy, trace=traced)
 
     return context_fn
