@@ -48,7 +48,7 @@ def tiny_recipe(output_dir: Path, *, strategy: str = "single", checkpointing: An
         "output_dir": str(output_dir),
         "model": model,
         "tokenizer": {"vocab_size": 512},
-        "dataset": {"seq_length": 32},
+        "dataset": {"seq_length": 32, "max_samples": 20},  # 20 documents: ~1700 rows, plenty for a few steps
         "validation_dataset": {"split": "validation", "seq_length": 32},
         "step_scheduler": {"global_batch_size": GLOBAL_BATCH, "local_batch_size": GLOBAL_BATCH // 2 // data_parallel,
                            "max_steps": max_steps, "val_every_steps": 2, "val_batches": 3},

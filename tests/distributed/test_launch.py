@@ -62,6 +62,10 @@ def test_existing_torchrun_is_detected_and_not_relaunched() -> None:
     (["--distributed.dp_size", "4"],
      "distributed.dp_size x tp_size x cp_size = 4 x 1 x 1 = 4, but the launch has 2 processes"),
     (["--distributed.cp_size", "2"], "distributed.cp_size: got 2; context parallelism is not supported"),
+    (["--step_scheduler.global_batch_size", "12"],
+     "step_scheduler.global_batch_size: 12 is not local_batch_size (4) x dp_size (2, of 2 processes) x an integer "
+     "number of accumulation steps; allowed: a multiple of 8"),
+    (["--peft", "{r: 4}"], "distributed.strategy: 'fsdp2' with a peft section is not supported yet"),
 ])
 def test_layout_errors_come_before_any_worker_starts(overrides: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str],

@@ -46,8 +46,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from remat.distributed.env import ProcessEnv
     from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
-    from remat.distributed.setup import validate_settings
-    from remat.recipes.finetune import FinetuneRecipe
+    from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
     from remat.recipes.loader import load_recipe
 
     cfg = load_recipe(args.recipe, overrides)
@@ -58,9 +57,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if check_launch_environment(options):
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
-            section = cfg.distributed
-            validate_settings(section.strategy, section.activation_checkpointing, section.dp_size, section.tp_size,
-                              section.cp_size, world_size=world_size)
+            check_parallel_layout(cfg, world_size)
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
         return launch(options, worker)
     if ProcessEnv.from_environ().rank != 0:  # only rank 0 reports; the others say only what goes wrong

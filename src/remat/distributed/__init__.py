@@ -2,6 +2,7 @@
 
 from remat.distributed.env import ProcessEnv, under_torchrun
 from remat.distributed.grad_norm import clip_grad_norm, total_grad_norm
-from remat.distributed.setup import STRATEGIES, DistributedSetup
+from remat.distributed.setup import STRATEGIES, DistributedSetup, validate_settings
 
-__all__ = ["STRATEGIES", "DistributedSetup", "ProcessEnv", "clip_grad_norm", "total_grad_norm", "under_torchrun"]
+__all__ = ["STRATEGIES", "DistributedSetup", "ProcessEnv", "clip_grad_norm", "total_grad_norm", "under_torchrun",
+           "validate_settings"]

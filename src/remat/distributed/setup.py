@@ -18,7 +18,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from torch import nn
 from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy
 from remat.distributed.env import ProcessEnv, default_device, init_process_group
 from remat.errors import CheckpointingError, ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,8 @@ class DistributedSetup:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-    mesh: Any = None
-    """The ``DeviceMesh`` with dimensions ``("dp",)`` or ``("dp", "tp")``; None for ``single``."""
+    mesh: DeviceMesh | None = None
+    """The device mesh with dimensions ``("dp",)`` or ``("dp", "tp")``; None for ``single``."""
     plan: CheckpointPlan | None = None
     root: nn.Module | None = None
     """The module ``parallelize`` returned (the DDP wrapper, or the FSDP2 root)."""
@@ -88,7 +91,7 @@ class DistributedSetup:
         """
         env = ProcessEnv.from_environ()
         dp = validate_settings(strategy, activation_checkpointing, dp_size, tp_size, cp_size, mixed_precision,
-                               cpu_offload, world_size=env.world_size)
+                               cpu_offload, fsdp_reduce_every_micro_batch, world_size=env.world_size)
         resolved = torch.device(device) if device is not None else default_device(env.local_rank)
         setup = cls(strategy=strategy, activation_checkpointing=activation_checkpointing, dp_size=dp,
                     tp_size=tp_size, cp_size=cp_size, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
@@ -193,7 +196,7 @@ class DistributedSetup:
         try:
             moe = any(block.is_moe for block in find_blocks(model).blocks)
         except CheckpointingError:
-            moe = any(is_moe_block(module) for module in model.children())
+            moe = is_moe_block(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Routed experts that receive no token in a step get no gradient: DDP must then look for unused ones.
         return DistributedDataParallel(top, device_ids=device_ids, process_group=self.dp_group,
@@ -277,15 +280,20 @@ class DistributedSetup:
 
 def validate_settings(strategy: str = "single", activation_checkpointing: Any = False, dp_size: int | None = None,
                       tp_size: int = 1, cp_size: int = 1, mixed_precision: str | None = None,
-                      cpu_offload: bool = False, *, world_size: int) -> int:
-    """Check the ``distributed`` settings against ``world_size`` processes (ConfigError naming the key); return the
-    data-parallel size. Used by ``build`` and, before any process is started, by the launcher."""
+                      cpu_offload: bool = False, fsdp_reduce_every_micro_batch: bool = True, *,
+                      world_size: int) -> int:
+    """Check the settings of ``build`` (the recipe's ``distributed`` section) against ``world_size`` processes
+    (ConfigError naming the key); return the data-parallel size. ``build`` calls it, and so does the launcher
+    before any worker starts."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"distributed.strategy: got {strategy!r}; allowed: {', '.join(STRATEGIES)}")
     parse_policy(activation_checkpointing, key="distributed.activation_checkpointing")
     for name, value in (("dp_size", dp_size), ("tp_size", tp_size), ("cp_size", cp_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"distributed.{name}: got {value!r}; allowed: a positive integer")
+    for name, flag in (("cpu_offload", cpu_offload), ("fsdp_reduce_every_micro_batch", fsdp_reduce_every_micro_batch)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"distributed.{name}: got {flag!r}; allowed: true or false")
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
         raise ConfigError(f"distributed.mixed_precision: got {mixed_precision!r}; allowed: null, "
                           f"{', '.join(MIXED_PRECISION)}")
@@ -315,7 +323,7 @@ def validate_settings(strategy: str = "single", activation_checkpointing: Any = 
     return dp
 
 
-def _device_mesh(device: torch.device, dp: int, tp: int) -> Any:
+def _device_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     if tp > 1:

@@ -29,7 +29,7 @@ from torch import nn
 
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
 from remat.data.loader import collate
-from remat.distributed import DistributedSetup, clip_grad_norm
+from remat.distributed import DistributedSetup, ProcessEnv, clip_grad_norm, validate_settings
 from remat.errors import ConfigError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import build_model, count_parameters
@@ -77,22 +77,11 @@ class FinetuneRecipe:
         self.cfg = cfg
         self.callbacks: list[StepCallback] = list(callbacks or [])
         self._stop_reason: str | None = None
+        _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
         # Every key of the `distributed` section is an argument of DistributedSetup.build.
         self.dist = DistributedSetup.build(**cfg.distributed.model_dump())
-        if cfg.peft is not None and self.dist.strategy == "fsdp2":
-            raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
-                              "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
-        sched = cfg.step_scheduler
-        self.grad_accumulation = sched.global_batch_size // (sched.local_batch_size * self.dist.dp_size)
-        if self.grad_accumulation * sched.local_batch_size * self.dist.dp_size != sched.global_batch_size:
-            raise ConfigError(
-                f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-                f"({sched.local_batch_size}) x dp_size ({self.dist.dp_size}, of {self.dist.world_size} processes) x "
-                f"an integer number of accumulation steps; allowed: a multiple of "
-                f"{sched.local_batch_size * self.dist.dp_size}"
-            )
 
     # ------------------------------------------------------------------------------------------------ building
 
@@ -316,6 +305,24 @@ class FinetuneRecipe:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.dist.device.type, dtype=getattr(torch, dtype))
+
+
+def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:
+    """(data-parallel size, gradient-accumulation steps) of the recipe on ``world_size`` processes; ConfigError naming
+    the key when the ``distributed`` section, the batch sizes or peft do not fit them."""
+    dp_size = validate_settings(**cfg.distributed.model_dump(), world_size=world_size)
+    if cfg.peft is not None and cfg.distributed.strategy == "fsdp2":
+        raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
+                          "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
+    sched = cfg.step_scheduler
+    per_step = sched.local_batch_size * dp_size
+    if sched.global_batch_size % per_step:
+        raise ConfigError(
+            f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
+            f"({sched.local_batch_size}) x dp_size ({dp_size}, of {world_size} processes) x an integer number of "
+            f"accumulation steps; allowed: a multiple of {per_step}"
+        )
+    return dp_size, sched.global_batch_size // per_step
 
 
 def sharded_eval_batches(
