@@ -142,6 +142,8 @@ def test_replay_steady_state_holds_the_optimizer_state_from_the_start() -> None:
     result = replay(events, marks, kind="exact", steady_state=True)
     assert result.peak_bytes == 350 * MiB
     assert result.phase == "forward"  # the activation is born in the forward phase
+    assert result.phase_peaks == {"start": 300 * MiB, "forward": 350 * MiB, "backward": 350 * MiB,
+                                  "optimizer step": 300 * MiB}
     assert result.breakdown == {"parameters": 100 * MiB, "buffers": 0, "gradients": 0,
                                 "optimizer_state": 200 * MiB, "activations": 50 * MiB, "temporaries": 0,
                                 "gradient_buckets": 0}

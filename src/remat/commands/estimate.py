@@ -121,7 +121,8 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
     flags = {name: _flag_value(name, getattr(args, flag)) for flag, name in _FLAGS if getattr(args, flag) is not None}
     if args.recipe is not None:
         if args.preset or args.config:
-            raise ConfigError("recipe: give a recipe or --preset / --config, not both (the recipe names its model)")
+            raise ConfigError(f"recipe: got {args.recipe!r} as well as --preset / --config; give one of them (a "
+                              "recipe names its model; dotted recipe overrides need a recipe)")
         from remat.recipes.loader import load_recipe
 
         model, settings = settings_from_recipe(load_recipe(args.recipe, overrides), **flags)

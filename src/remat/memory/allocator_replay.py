@@ -37,6 +37,8 @@ class ReplayResult:
     breakdown: dict[str, int]
     phase: str
     reserved_bytes: int
+    phase_peaks: dict[str, int]
+    """The highest allocated bytes within each phase (the first phase is `START_PHASE`)."""
 
 
 def replay(
@@ -56,8 +58,14 @@ def replay(
 
     model = CachingAllocatorModel(kind)
     peak, peak_at = 0, 0
+    phase_peaks: dict[str, int] = {START_PHASE: 0}
+    phase, upcoming = START_PHASE, list(positions)
     for index, event in enumerate(order):
+        while upcoming and upcoming[0][0] <= index:
+            phase = upcoming.pop(0)[1]
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), model.allocated)
         _apply(model, event)
+        phase_peaks[phase] = max(phase_peaks[phase], model.allocated)
         if model.allocated > peak:
             peak, peak_at = model.allocated, index + 1
     reserved = model.peak_reserved
@@ -69,11 +77,8 @@ def replay(
     breakdown = dict.fromkeys(ESTIMATE_CATEGORIES, 0)
     for serial in live:
         breakdown[final_category[serial]] += model.live_bytes(serial)
-    phase = START_PHASE
-    for position, label in positions:
-        if position < peak_at:
-            phase = label
-    return ReplayResult(peak_bytes=peak, breakdown=breakdown, phase=phase, reserved_bytes=reserved)
+    return ReplayResult(peak_bytes=peak, breakdown=breakdown, phase=_phase_at(positions, peak_at),
+                        reserved_bytes=reserved, phase_peaks=phase_peaks)
 
 
 def _reorder(
@@ -95,6 +100,15 @@ def _reorder(
     moved_before.append(moved)
     positions = [(len(front) + position - moved_before[position], label) for position, label in marks]
     return front + rest, positions
+
+
+def _phase_at(positions: Sequence[tuple[int, str]], events_done: int) -> str:
+    """The label of the last mark placed before the ``events_done``-th event."""
+    phase = START_PHASE
+    for position, label in positions:
+        if position < events_done:
+            phase = label
+    return phase
 
 
 def _apply(model: CachingAllocatorModel, event: StorageEvent) -> None:

@@ -9,7 +9,9 @@ optimizer and data-parallel wrapper, on fake tensors), then its allocations are 
   tensor bytes when ``target="cpu"`` (what `remat.memory.LiveTensorTracker` reports for a real CPU step);
 - ``tensor_peak_bytes``: the same peak in exact tensor bytes, without the allocator's rounding;
 - ``first_step_peak_bytes``: the first step's peak, in which the optimizer state is created;
-- ``breakdown`` and ``phase``: the categories of the bytes alive at ``peak_bytes`` and the phase it falls in.
+- ``breakdown`` and ``phase``: the categories of the bytes alive at ``peak_bytes`` and the phase it falls in;
+- ``phase_peaks``: the highest ``peak_bytes``-style figure within each phase (forward, loss, backward, optimizer
+  step; "start" is the memory held before the step).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from transformers import PretrainedConfig
 from remat.errors import ConfigError
 from remat.memory.allocator_replay import replay
 from remat.memory.simulate import STRATEGIES, StepSettings, simulate_step
-from remat.models import ModelConfig, get_preset, preset_names
+from remat.models import ModelConfig, get_preset, preset_names, resolve_model_config
 
 ModelLike = ModelConfig | PretrainedConfig | Mapping[str, Any] | str | Path
 """A preset name, a ``config.json`` (or the directory holding it), a transformers config (object or mapping with
@@ -50,6 +52,7 @@ class MemoryEstimate:
     reserved_bytes: int | None
     parameters: int
     trainable_parameters: int
+    phase_peaks: dict[str, int] = field(default_factory=dict)
     attention_kernels: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
@@ -78,6 +81,7 @@ class MemoryEstimate:
             "peak_gb": round(self.peak_bytes / 1e9, 4),
             "phase": self.phase,
             "breakdown": dict(self.breakdown),
+            "phase_peaks": dict(self.phase_peaks),
             "tensor_peak_bytes": self.tensor_peak_bytes,
             "first_step_peak_bytes": self.first_step_peak_bytes,
             "reserved_bytes": self.reserved_bytes,
@@ -134,6 +138,7 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
         tensor_peak_bytes=exact.peak_bytes,
         first_step_peak_bytes=first.peak_bytes,
         reserved_bytes=steady.reserved_bytes if kind == "cuda" else None,
+        phase_peaks=steady.phase_peaks,
         parameters=trace.parameters,
         trainable_parameters=trace.trainable_parameters,
         attention_kernels=dict(trace.attention_kernels),
@@ -144,7 +149,14 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
 
 
 def resolve_model(model: ModelLike) -> ModelConfig:
-    """The `ModelConfig` a model argument names (see `ModelLike`); raises `ConfigError` naming what is wrong."""
+    """The `ModelConfig` a model argument names (see `ModelLike`), checked by building its transformers config;
+    raises `ConfigError` naming what is wrong."""
+    cfg = _model_config(model)
+    resolve_model_config(cfg)
+    return cfg
+
+
+def _model_config(model: ModelLike) -> ModelConfig:
     if isinstance(model, ModelConfig):
         return _without_weights(model)
     if isinstance(model, PretrainedConfig):
