@@ -91,6 +91,15 @@ def test_ddp_parameters_are_whole(reports: list[dict[str, Any]]) -> None:
         assert local == full and placements == [], name
 
 
+def test_tensor_parallel_plans_reproduce_one_process(reports: list[dict[str, Any]]) -> None:
+    from remat.distributed.tensor_parallel import TP_PLANS
+
+    families = reports[0]["tp-families"]
+    assert set(families) == set(TP_PLANS)
+    for model_type, (loss_error, grad_error) in families.items():
+        assert loss_error < 1e-6 and grad_error < 1e-6, (model_type, loss_error, grad_error)
+
+
 def test_fsdp2_options_train_like_the_default(reports: list[dict[str, Any]]) -> None:
     runs = reports[0]["fsdp2-options"]
     reference = runs["reference"]

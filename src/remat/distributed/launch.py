@@ -134,4 +134,5 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
 def _nproc(value: str) -> str:
     if value in NPROC_KEYWORDS or (value.isdigit() and int(value) >= 1):
         return value
-    raise argparse.ArgumentTypeError(f"got {value!r}; allowed: a positive integer or one of {', '.join(NPROC_KEYWORDS)}")
+    allowed = ", ".join(NPROC_KEYWORDS)
+    raise argparse.ArgumentTypeError(f"got {value!r}; allowed: a positive integer or one of {allowed}")

@@ -40,7 +40,7 @@ MIXED_PRECISION: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 @dataclass
 class DistributedSetup:
-    """The parallelism of a run. Build it with ``DistributedSetup.build(...)``, then ``model = setup.parallelize(model)``.
+    """The parallelism of a run: ``setup = DistributedSetup.build(...)``, then ``model = setup.parallelize(model)``.
 
     ``dp_size`` x ``tp_size`` x ``cp_size`` = ``world_size``; ranks are laid out ``(dp, tp)`` with the tensor-parallel
     ranks of a data-parallel replica adjacent (on the same node when the node holds ``tp_size`` ranks or more).
