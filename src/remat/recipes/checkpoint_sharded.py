@@ -42,8 +42,8 @@ from transformers import PreTrainedModel
 
 from remat.errors import ConfigError
 from remat.recipes.checkpoint_io import (
-    LAYOUT_SHARDED,
     LATEST_FILE,
+    LAYOUT_SHARDED,
     MODEL_DIR,
     SCHEDULER_FILE,
     TRAIN_STATE_FILE,
