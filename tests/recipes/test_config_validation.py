@@ -79,6 +79,8 @@ CASES = [
     ("seed-type", with_("seed", "abc"), ["seed", "'abc'"]),
     ("dp-size-single", with_("distributed.dp_size", 2), ["distributed.dp_size: 2 needs strategy 'ddp' or 'fsdp2'"]),
     ("section-not-mapping", with_("step_scheduler", 5), ["step_scheduler", "5"]),
+    ("mixed-precision", with_("distributed.mixed_precision", "fp8"),
+     ["distributed.mixed_precision", "'fp8'", "'bfloat16', 'float16' or 'float32'"]),
 ]
 
 
@@ -137,3 +139,12 @@ def test_custom_target_needs_opt_in() -> None:
         validate_recipe(recipe)
     recipe["allow_custom_targets"] = True
     assert validate_recipe(recipe).optimizer.target == "collections.OrderedDict"
+
+
+def test_every_distributed_key_is_an_argument_of_the_setup() -> None:
+    import inspect
+
+    from remat.distributed import DistributedSetup
+    from remat.recipes.config import DistributedConfig
+
+    assert set(DistributedConfig.model_fields) <= set(inspect.signature(DistributedSetup.build).parameters)

@@ -87,13 +87,22 @@ class ClipGradNormConfig(StrictModel):
 
 
 class DistributedConfig(StrictModel):
-    """``distributed``: the parallelism strategy and activation checkpointing (the seed documents' keys)."""
+    """``distributed``: the parallelism strategy and activation checkpointing (the seed documents' keys).
+
+    Every key is an argument of ``remat.DistributedSetup.build``. ``mixed_precision`` and ``cpu_offload`` apply to
+    FSDP2 (its ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy``); ``fsdp_reduce_every_micro_batch: false`` defers
+    FSDP2's gradient reduce-scatter to the last micro-batch of a step (less communication, unsharded gradients held
+    during accumulation).
+    """
 
     strategy: Literal["single", "ddp", "fsdp2"] = "single"
     activation_checkpointing: ActivationCheckpointingValue = False
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
     cp_size: PositiveInt = 1
+    mixed_precision: Literal["bfloat16", "float16", "float32"] | None = None
+    cpu_offload: bool = False
+    fsdp_reduce_every_micro_batch: bool = True
 
     @field_validator("activation_checkpointing")
     @classmethod
