@@ -153,3 +153,20 @@ def test_composes_with_activation_checkpointing_of_the_decoder_layers() -> None:
     assert checkpointed.is_activation_checkpointing
     for (name, param), other in zip(plain_model.named_parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(other.grad, param.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_dtensor_weight_sharded_over_several_ranks_is_refused() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("needs its own (fake) process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        sharded = distribute_tensor(torch.randn(20, 6), mesh, [Shard(0)])
+        with pytest.raises(ConfigError, match=r"DTensor sharded as \[Shard\(dim=0\)\] over 2 ranks"):
+            FusedLinearCrossEntropy()(torch.randn(2, 7, 6), sharded, torch.randint(0, 20, (2, 7)))
+    finally:
+        dist.destroy_process_group()

@@ -97,8 +97,9 @@ class FusedLinearCrossEntropy:
         """Return the scalar loss (fp32; fp64 for fp64 inputs) of ``hidden_states [..., T, H]``, ``weight [V, H]``.
 
         ``lm_head_weight`` (and ``bias``) receive gradients like any autograd input: pass the parameter itself
-        (a tied input embedding collects both gradients; an FSDP2 DTensor is gathered differentiably, so its
-        gradient is reduce-scattered back to the shards).
+        (a tied input embedding collects both gradients). A DTensor is gathered differentiably when it is replicated
+        or lives on one rank; one sharded over several ranks is refused (see ``_gathered``): under FSDP2 call the
+        loss inside the root module's forward, where the weight is already gathered.
         """
         hidden, weight, bias, labels = _gathered(hidden_states, lm_head_weight, bias, labels)
         hidden, weight, bias = _autocast_cast(hidden, weight, bias)
@@ -132,12 +133,32 @@ class FusedLinearCrossEntropy:
 
 
 def _gathered(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """Replace DTensors (FSDP2 / tensor-parallel shards) by their full tensors, differentiably."""
+    """Replace DTensors by their full tensors, differentiably, where that is unambiguous.
+
+    A DTensor sharded over several ranks is refused: whether the ranks' gradients must be summed (data parallel:
+    every rank saw other tokens) or are already equal (tensor parallel: every rank saw the same tokens) depends on the
+    layout, which the loss cannot see. Call the loss where the weight is gathered (inside the forward of the module
+    ``fully_shard`` wraps, as ``remat.recipes.model_loss.CausalLMLoss`` does), or gather it yourself with
+    ``weight.full_tensor(grad_placements=...)``.
+    """
     if not torch.distributed.is_available():
         return tensors
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
-    return tuple(t.full_tensor() if isinstance(t, DTensor) else t for t in tensors)
+    gathered = []
+    for t in tensors:
+        if isinstance(t, DTensor):
+            sharded = [p for p in t.placements if not isinstance(p, Replicate)]
+            if sharded and t.device_mesh.size() > 1:
+                raise ConfigError(
+                    f"loss_fn: got a DTensor sharded as {list(t.placements)} over {t.device_mesh.size()} ranks; "
+                    "allowed: a gathered weight (call the loss inside the forward of the module fully_shard wraps, "
+                    "as remat's recipe does) or weight.full_tensor(grad_placements=...) with the placement that "
+                    "matches your layout (Partial() when ranks see different tokens)"
+                )
+            t = t.full_tensor()
+        gathered.append(t)
+    return tuple(gathered)
 
 
 def _autocast_cast(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
