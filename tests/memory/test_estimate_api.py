@@ -227,3 +227,10 @@ def test_cli_mistakes_exit_2_with_one_message(argv: list[str], message: str, cap
 def test_settings_defaults_are_documented_values() -> None:
     settings = StepSettings()
     assert (settings.batch_size, settings.seq_length, settings.target, settings.strategy) == (1, 2048, "cuda", "single")
+
+
+def test_moe_models_estimate_in_bfloat16_and_explain_float32() -> None:
+    estimate = estimate_memory("tiny-moe", batch_size=1, seq_length=64, dtype="bfloat16", target="cpu")
+    assert estimate.peak_bytes > estimate.breakdown["parameters"] > 0
+    with pytest.raises(ConfigError, match="dtype: 'float32' cannot be simulated .* allowed: dtype bfloat16"):
+        estimate_memory("tiny-moe", batch_size=1, seq_length=64)

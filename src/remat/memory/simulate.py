@@ -213,14 +213,16 @@ def simulate_step(model: ModelConfig, settings: StepSettings) -> StepTrace:
     settings.validate()
     trace = StepTrace(settings)
     start = time.perf_counter()
-    model_cfg = _model_config(model, settings)
+    model_cfg = model_config_for(model, settings)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with _process_group(settings), _private_sharding_fake_mode():
         mesh = _mesh(settings)  # outside the fake mode: the mesh reads its rank tensor
         with fake:
             torch.manual_seed(0)
             net = build_model(model_cfg, vocab_size=settings.vocab_size)
-            root, compute, parts = _parallelize(net, settings, mesh, trace)
+            root, parts, plan = parallelize(net, settings, mesh=mesh)
+        if plan is not None:
+            trace.notes.append(f"activation checkpointing: {plan}")
         trace.parameters = sum(_local_numel(p) for p in root.parameters())
         trainable = [p for p in root.parameters() if p.requires_grad]
         trace.trainable_parameters = sum(_local_numel(p) for p in trainable)
@@ -229,14 +231,25 @@ def simulate_step(model: ModelConfig, settings: StepSettings) -> StepTrace:
         if settings.strategy == "ddp":
             _add_ddp_buckets(trace, trainable)
         with fake:
-            optimizer = _optimizer(settings, trainable)
+            optimizer = build_optimizer(settings, trainable)
         attention = CudaAttention() if settings.target == "cuda" else contextlib.nullcontext()
         mode = _SimulationMode(cuda=settings.target == "cuda")
         hook = parts.register_forward_hook(lambda *_: trace.mark("loss"))
         tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
+        def mark(label: str) -> None:
+            trace.mark(label)
+            tracker.mark(label)
+
         try:
             with fake, attention, tracker, mode:
-                _training_step(compute, optimizer, batch, settings, trace, tracker, trainable)
+                training_step(root, optimizer, batch, settings, trainable, mark=mark,
+                              micro_batches=min(settings.grad_accumulation, 2))
+        except RuntimeError as err:
+            if "Expected inputs of BF16 type" in str(err):  # torch._grouped_mm's shape function (MoE experts)
+                raise ConfigError(f"dtype: {model_cfg.dtype!r} cannot be simulated for {model_cfg.describe()}: its "
+                                  "experts run torch._grouped_mm, whose shape function (used on fake tensors) "
+                                  "accepts bfloat16 inputs only; allowed: dtype bfloat16") from err
+            raise
         finally:
             hook.remove()
     trace.tracked_peak = tracker.peak_bytes
@@ -250,44 +263,47 @@ def simulate_step(model: ModelConfig, settings: StepSettings) -> StepTrace:
     return trace
 
 
-def _training_step(
-    compute: Callable[..., torch.Tensor],
+def training_step(
+    root: Callable[..., torch.Tensor],
     optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
     settings: StepSettings,
-    trace: StepTrace,
-    tracker: LiveTensorTracker,
-    trainable: list[nn.Parameter],
+    params: list[nn.Parameter],
+    *,
+    mark: Callable[[str], None] = lambda label: None,
+    micro_batches: int | None = None,
 ) -> None:
-    """The fine-tuning loop's step (`remat.recipes.finetune`), with phase marks."""
-    autocast = (torch.autocast("cpu", dtype=getattr(torch, settings.autocast)) if settings.autocast
+    """One step of the fine-tuning loop (`remat.recipes.finetune`): forward and backward of each micro-batch (the
+    loss normalised by the step's label tokens), gradient clipping, the optimizer step and ``zero_grad``.
+
+    The simulation runs it on fake tensors; `benchmarks/bench_estimate_cuda.py` runs it on a GPU. ``mark`` is called
+    with each phase's name as it starts. ``micro_batches`` defaults to ``settings.grad_accumulation``.
+    """
+    device = batch["input_ids"].device.type
+    autocast = (torch.autocast(device, dtype=getattr(torch, settings.autocast)) if settings.autocast
                 else contextlib.nullcontext())
-    micro_batches = min(settings.grad_accumulation, 2)
-    for index in range(micro_batches):
-        suffix = f" (micro-batch {index + 1})" if micro_batches > 1 else ""
-        _mark(trace, tracker, "forward" + suffix)
+    count = settings.grad_accumulation if micro_batches is None else micro_batches
+    for index in range(count):
+        suffix = f" (micro-batch {index + 1})" if count > 1 else ""
+        mark("forward" + suffix)
         on_device = {name: tensor.clone() for name, tensor in batch.items()}  # the batch lives on the device
         label_tokens = int((on_device["labels"][..., 1:] != IGNORE_INDEX).sum()) * settings.grad_accumulation
         with autocast:
-            loss = compute(on_device, num_label_tokens=label_tokens)
-        _mark(trace, tracker, "backward" + suffix)
+            loss = root(on_device, num_label_tokens=label_tokens)
+        mark("backward" + suffix)
         loss.backward()
         del loss, on_device
-    _mark(trace, tracker, "optimizer step")
+    mark("optimizer step")
     if settings.clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_([p for p in trainable if p.grad is not None], settings.clip_grad_norm)
+        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], settings.clip_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def _mark(trace: StepTrace, tracker: LiveTensorTracker, label: str) -> None:
-    trace.mark(label)
-    tracker.mark(label)
-
-
 # ------------------------------------------------------------------------------------------------ building blocks
 
-def _model_config(model: ModelConfig, settings: StepSettings) -> ModelConfig:
+def model_config_for(model: ModelConfig, settings: StepSettings) -> ModelConfig:
+    """``model`` with the settings' dtype and autocast, and the hidden-states output the fused loss needs."""
     update: dict[str, Any] = {"output_hidden_states": settings.loss == "fused"}
     if settings.dtype is not None:
         update["dtype"] = settings.dtype
@@ -309,7 +325,8 @@ def make_batch(settings: StepSettings, vocab_size: int) -> dict[str, torch.Tenso
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
-def _optimizer(settings: StepSettings, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(settings: StepSettings, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The settings' optimizer over ``params`` (``foreach=True`` for the CUDA target, see the module docstring)."""
     from remat.recipes.targets import build_target, resolve_target
 
     kwargs = dict(settings.optimizer_kwargs)
@@ -325,7 +342,8 @@ def _optimizer(settings: StepSettings, params: list[nn.Parameter]) -> torch.opti
     return optimizer
 
 
-def _loss_fn(settings: StepSettings) -> Callable[..., torch.Tensor]:
+def build_loss(settings: StepSettings) -> Callable[..., torch.Tensor]:
+    """The settings' loss function, built like a recipe's ``loss_fn``."""
     from remat.recipes.targets import build_target
 
     loss: Callable[..., torch.Tensor] = build_target(LOSS_TARGETS[settings.loss], dict(settings.loss_kwargs),
@@ -333,25 +351,25 @@ def _loss_fn(settings: StepSettings) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def _parallelize(net: nn.Module, settings: StepSettings, mesh: Any,
-                 trace: StepTrace) -> tuple[nn.Module, Callable[..., torch.Tensor], nn.Module]:
-    """Checkpointing and the data-parallel wrapper, as the recipe applies them; returns (root, step fn, the module
-    whose forward ends right before the loss)."""
+def parallelize(net: nn.Module, settings: StepSettings, *, mesh: Any = None,
+                device: torch.device | None = None) -> tuple[nn.Module, nn.Module, str | None]:
+    """Wrap ``net`` and its loss as the recipe does (`DistributedSetup.parallelize`: checkpointing, then FSDP2 over
+    ``mesh``; DDP is simulated without its wrapper). Returns (the module a step calls, the module whose forward ends
+    right before the loss, a summary of the checkpointing plan or None)."""
     from remat.distributed import DistributedSetup
     from remat.recipes.model_loss import CausalLMLoss
 
-    compute = CausalLMLoss(net, _loss_fn(settings), use_hidden_states=settings.loss == "fused")
+    compute = CausalLMLoss(net, build_loss(settings), use_hidden_states=settings.loss == "fused")
     strategy = "single" if settings.strategy == "ddp" else settings.strategy  # see the module docstring
     setup = DistributedSetup(strategy=strategy, activation_checkpointing=settings.policy,
                              dp_size=settings.world_size, world_size=settings.world_size,
-                             mixed_precision=settings.mixed_precision, device=torch.device("cpu"),
+                             mixed_precision=settings.mixed_precision, device=device or torch.device("cpu"),
                              mesh=mesh)
-    with _already_on_device(net):
+    fake = any(isinstance(p, FakeTensor) for p in net.parameters())
+    with _already_on_device(net) if fake else contextlib.nullcontext():
         root = setup.parallelize(net, root=compute)
-    if setup.plan is not None:
-        trace.notes.append(f"activation checkpointing: {setup.plan.summary()}")
     parts = compute.decoder if settings.loss == "fused" else net
-    return root, root, parts
+    return root, parts, setup.plan.summary() if setup.plan is not None else None
 
 
 def _add_ddp_buckets(trace: StepTrace, trainable: list[nn.Parameter]) -> None:

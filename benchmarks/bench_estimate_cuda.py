@@ -1,0 +1,162 @@
+"""On a CUDA GPU: ``torch.cuda.max_memory_allocated`` of a training step against `remat.estimate_memory`.
+
+For each setting (activation checkpointing none / selective / full, each with the plain and the fused loss), the
+estimate is made first (``target="cuda"``, on fake tensors), then the same step runs on the GPU, built from the very
+pieces the simulation uses (`remat.memory.simulate`: ``model_config_for``, ``parallelize``, ``build_loss``,
+``build_optimizer``, ``make_batch``, ``training_step``), so both sides run the same code:
+
+1. build the model on the GPU, wrap it, build the optimizer;
+2. step 1 (creates the optimizer state, warms up cuBLAS);
+3. ``torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()``; step 2; ``torch.cuda.max_memory_allocated()``.
+
+The estimate's ``peak_bytes`` is what step 2 should measure. What it does not model shows up as the difference:
+library workspaces (cuBLAS/cuBLASLt, allocated through the caching allocator during step 1 and kept), cuDNN attention
+if PyTorch picks it, several streams. One process, one GPU (``strategy=single``); FSDP2 needs torchrun and is not
+measured here.
+
+Without a CUDA device the script says so and exits with status 2, measuring nothing. ``--check-on-cpu`` runs the
+same code on the CPU instead, with the exact live-tensor tracker in place of the CUDA statistics and a CPU estimate
+(``target="cpu"``): the errors must then be zero, which is what the test suite checks.
+
+    python benchmarks/bench_estimate_cuda.py                                    # llama-3.2-1b, 2 x 2048, bf16
+    python benchmarks/bench_estimate_cuda.py --preset llama-20m --batch-size 8 --seq-length 1024 --dtype float32 \\
+        --autocast bfloat16 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from remat.memory import LiveTensorTracker
+from remat.memory.estimate import estimate_memory, resolve_model
+from remat.memory.simulate import (
+    StepSettings,
+    build_optimizer,
+    make_batch,
+    model_config_for,
+    parallelize,
+    training_step,
+)
+from remat.models import build_model
+
+GIB = 2**30
+POLICIES = ("none", "selective", "full")
+LOSSES = ("plain", "fused")
+
+
+def measure(model_name: str, settings: StepSettings, device: torch.device) -> dict[str, int]:
+    """Run two steps of ``settings`` on ``device``; the figures of the second one (CUDA statistics on a GPU, the
+    exact tracked peak on the CPU)."""
+    cfg = model_config_for(resolve_model(model_name), settings)
+    torch.manual_seed(0)
+    net = build_model(cfg, vocab_size=settings.vocab_size, device=device)
+    root, _, _ = parallelize(net, settings, device=device)
+    params = [p for p in root.parameters() if p.requires_grad]
+    optimizer = build_optimizer(settings, params)
+    batch = {k: v.to(device) for k, v in make_batch(settings, net.config.get_text_config().vocab_size).items()}
+    training_step(root, optimizer, batch, settings, params)
+    if device.type == "cpu":
+        with LiveTensorTracker(module=root, optimizer=optimizer) as tracker:
+            before = tracker.current_bytes
+            training_step(root, optimizer, batch, settings, params)
+        return {"max_memory_allocated": tracker.peak_bytes, "allocated_before_step": before,
+                "max_memory_reserved": 0}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    training_step(root, optimizer, batch, settings, params)
+    torch.cuda.synchronize()
+    figures = {"max_memory_allocated": torch.cuda.max_memory_allocated(), "allocated_before_step": before,
+               "max_memory_reserved": torch.cuda.max_memory_reserved()}
+    del net, root, params, optimizer, batch
+    gc.collect()
+    torch.cuda.empty_cache()
+    return figures
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = torch.device("cpu" if args.check_on_cpu else "cuda")
+    base = StepSettings(batch_size=args.batch_size, seq_length=args.seq_length, dtype=args.dtype,
+                        autocast=None if args.autocast == "none" else args.autocast, target=device.type)
+    rows = []
+    for policy in args.policies.split(","):
+        for loss in args.losses.split(","):
+            settings = dataclasses.replace(base, policy=policy, loss=loss)
+            start = time.perf_counter()
+            estimate = estimate_memory(args.preset, settings)
+            estimate_seconds = time.perf_counter() - start
+            measured = measure(args.preset, settings, device)
+            peak = measured["max_memory_allocated"]
+            rows.append({
+                "setting": f"{policy} + {loss}",
+                "estimate_bytes": estimate.peak_bytes,
+                "estimate_tensor_bytes": estimate.tensor_peak_bytes,
+                "estimate_start_bytes": estimate.phase_peaks.get("start", 0),
+                "estimate_phase": estimate.phase,
+                "estimate_seconds": round(estimate_seconds, 2),
+                **measured,
+                "error_percent": round(100 * (estimate.peak_bytes - peak) / peak, 2),
+            })
+            print(f"{policy:>9} + {loss:<5}  estimate {estimate.peak_bytes / GIB:7.2f} GiB  measured "
+                  f"{peak / GIB:7.2f} GiB  ({rows[-1]['error_percent']:+.1f}%)", flush=True)
+    return rows
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    device = torch.cuda.get_device_name()
+    meta = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+            "preset": args.preset, "batch_size": args.batch_size, "seq_length": args.seq_length,
+            "dtype": args.dtype, "autocast": args.autocast, "date": time.strftime("%Y-%m-%d")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = device.lower().replace(" ", "_")
+    (out / f"estimate_cuda_{slug}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [f"# remat estimate vs torch.cuda.max_memory_allocated on {device}", "",
+             f"{args.preset}, batch {args.batch_size} x {args.seq_length}, dtype {args.dtype}, autocast "
+             f"{args.autocast}, AdamW, one GPU; torch {torch.__version__}, {meta['date']}. Step 2 (the optimizer "
+             "state exists) is measured; see benchmarks/bench_estimate_cuda.py.", "",
+             "| setting | estimate GiB | measured GiB | error | held before the step (measured) GiB |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['setting']} | {r['estimate_bytes'] / GIB:.2f} | {r['max_memory_allocated'] / GIB:.2f} | "
+              f"{r['error_percent']:+.1f}% | {r['allocated_before_step'] / GIB:.2f} |" for r in rows]
+    (out / f"estimate_cuda_{slug}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / f'estimate_cuda_{slug}.md'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-3.2-1b")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--autocast", default="none", choices=("none", "bfloat16"))
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated checkpointing policies")
+    parser.add_argument("--losses", default=",".join(LOSSES), help="comma-separated losses (plain, fused)")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--check-on-cpu", action="store_true",
+                        help="run the same code on the CPU against a CPU estimate (prints, writes nothing)")
+    args = parser.parse_args(argv)
+    if args.check_on_cpu:
+        rows = run(args)
+        return 0 if all(row["error_percent"] == 0 for row in rows) else 1
+    if not torch.cuda.is_available():
+        print("bench_estimate_cuda: no CUDA device here (torch.cuda.is_available() is False); this benchmark "
+              "measures torch.cuda.max_memory_allocated on a GPU and has nothing to measure. Nothing was run.",
+              file=sys.stderr)
+        return 2
+    write(run(args), args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
