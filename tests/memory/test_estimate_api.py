@@ -156,15 +156,19 @@ def test_recipe_settings_are_the_recipes_step() -> None:
 
 
 def test_recipe_options_override_and_a_new_loss_drops_the_recipes_loss_arguments() -> None:
-    _, settings = settings_from_recipe(_recipe(), batch_size=1, loss="plain", world_size=4)
+    _, settings = settings_from_recipe(_recipe(optimizer={"_target_": "torch.optim.AdamW", "lr": 0.01,
+                                                          "betas": [0.9, 0.95]}),
+                                       batch_size=1, loss="plain", world_size=4, optimizer="torch.optim.SGD")
     assert (settings.batch_size, settings.loss, dict(settings.loss_kwargs)) == (1, "plain", {})
     assert settings.world_size == 4 and settings.grad_accumulation == 1
+    assert (settings.optimizer, dict(settings.optimizer_kwargs)) == ("torch.optim.SGD", {"lr": 0.01})
 
 
 @pytest.mark.parametrize(("sections", "message"), [
     ({"peft": {"r": 4}}, "peft"),
     ({"loss_fn": {"_target_": "torch.nn.CrossEntropyLoss"}}, "loss_fn._target_"),
     ({"step_scheduler": {"global_batch_size": 6, "local_batch_size": 2}}, "global_batch_size"),
+    ({"distributed": {"strategy": "fsdp2", "tp_size": 2, "dp_size": 1}}, "distributed.tp_size: 2"),
 ])
 def test_recipes_the_estimate_cannot_model_are_config_errors(sections: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from remat.errors import ConfigError
 from remat.memory.allocator_replay import replay
 from remat.memory.simulate import STRATEGIES, StepSettings, simulate_step
 from remat.models import ModelConfig, get_preset, preset_names, resolve_model_config
+
+logger = logging.getLogger(__name__)
 
 ModelLike = ModelConfig | PretrainedConfig | Mapping[str, Any] | str | Path
 """A preset name, a ``config.json`` (or the directory holding it), a transformers config (object or mapping with
@@ -223,9 +226,16 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
                           "peft section (an upper bound: every parameter trained)")
     loss = _loss_kind(cfg.loss_fn.target)
     dist = cfg.distributed
-    world_size = options.pop("world_size", None) or dist.dp_size or 1
     if dist.strategy not in STRATEGIES:
         raise ConfigError(f"distributed.strategy: got {dist.strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    for name in ("tp_size", "cp_size"):
+        if getattr(dist, name, 1) != 1:
+            raise ConfigError(f"distributed.{name}: {getattr(dist, name)} is not modelled by the estimate; "
+                              "allowed: 1 (data parallelism only)")
+    world_size = options.pop("world_size", None) or dist.dp_size or 1
+    if dist.strategy != "single" and dist.dp_size is None and world_size == 1:
+        logger.warning("distributed.dp_size is null (the launcher decides it): estimating one rank; give world_size "
+                       "(--world-size) for the number of processes you will launch")
     sched = cfg.step_scheduler
     accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * world_size)
     if rest or accumulation < 1:
@@ -256,6 +266,9 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
         raise ConfigError(f"{unknown[0]}: not a setting of the estimate; allowed: {', '.join(_SETTING_NAMES)}")
     if "loss" in options and options["loss"] != loss:
         options.setdefault("loss_kwargs", {})  # the recipe's loss arguments belong to the recipe's loss
+    if "optimizer" in options and options["optimizer"] != cfg.optimizer.target:
+        lr = cfg.optimizer.kwargs.get("lr")
+        options.setdefault("optimizer_kwargs", {"lr": lr} if lr is not None else {})  # likewise, but keep lr
     return _without_weights(cfg.model), dataclasses.replace(settings, **options)
 
 
