@@ -1,7 +1,7 @@
 """Peak memory and time of the loss forward+backward: the plain loss vs FusedLinearCrossEntropy, side by side.
 
 "plain" is what a model does without the fused loss: ``logits = hidden @ weight.T`` then MaskedCrossEntropy.
-"fused" is FusedLinearCrossEntropy with its defaults; "fused-recompute" forces grad_strategy="recompute".
+"fused" is FusedLinearCrossEntropy with its defaults; "fused-forward" / "fused-recompute" force that grad_strategy.
 
 Memory is exact live-tensor accounting (remat.memory.LiveTensorTracker) on the CPU. The hidden states and the
 head's weight are held as parameters of a small module, so the tracker files them as "parameters" and their
@@ -37,6 +37,7 @@ GIB = 2**30
 VARIANTS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "plain": lambda h, w, labels: MaskedCrossEntropy()(F.linear(h, w), labels),
     "fused": lambda h, w, labels: FusedLinearCrossEntropy()(h, w, labels),
+    "fused-forward": lambda h, w, labels: FusedLinearCrossEntropy(grad_strategy="forward")(h, w, labels),
     "fused-recompute": lambda h, w, labels: FusedLinearCrossEntropy(grad_strategy="recompute")(h, w, labels),
 }
 
