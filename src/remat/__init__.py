@@ -5,7 +5,8 @@ The public API, re-exported here (nothing inside the package imports from this m
 - ``apply_activation_checkpointing(model, policy="full", **options) -> CheckpointPlan`` and ``CheckpointPolicy``:
   recompute instead of store, per block, with full / selective / attention / mlp / every-n / sqrt / offload policies.
 - ``remat.loss.FusedLinearCrossEntropy`` and ``remat.loss.MaskedCrossEntropy``.
-- ``LiveTensorTracker`` and ``StepMemoryMeter`` (``remat.memory``): exact memory accounting.
+- ``LiveTensorTracker`` and ``StepMemoryMeter`` (``remat.memory``): exact memory accounting;
+  ``estimate_memory(...) -> MemoryEstimate``: a training step's peak predicted on fake tensors.
 - ``DistributedSetup``: how the model is spread over processes, and the order savers are applied in.
 - ``build_model`` / ``ModelConfig`` (``remat.models``), ``FinetuneRecipe`` / ``load_recipe`` (``remat.recipes``).
 """
@@ -16,7 +17,7 @@ from remat import loss
 from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy
 from remat.distributed import DistributedSetup
 from remat.errors import CheckpointingError, ConfigError, RematError
-from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter
+from remat.memory import LiveTensorTracker, MemoryEstimate, MemoryReading, StepMemoryMeter, estimate_memory
 from remat.models import ModelConfig, build_model
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import load_recipe
@@ -31,6 +32,7 @@ __all__ = [
     "DistributedSetup",
     "FinetuneRecipe",
     "LiveTensorTracker",
+    "MemoryEstimate",
     "MemoryReading",
     "ModelConfig",
     "RematError",
@@ -38,6 +40,7 @@ __all__ = [
     "__version__",
     "apply_activation_checkpointing",
     "build_model",
+    "estimate_memory",
     "load_recipe",
     "loss",
     "parse_policy",
