@@ -65,6 +65,7 @@ def test_trains_logs_and_loss_falls(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert len(step_lines) == 20
     assert all(" GiB | tps " in line and "| num_label_tokens " in line for line in step_lines)
     assert "mem: exact peak of live tensor bytes" in out
+    assert "activation checkpointing: off" in out
     assert all(r.mem_source == "tracked" and r.mem_bytes > 0 for r in result.records)
 
 

@@ -289,9 +289,8 @@ class FinetuneRecipe:
                       f"{cfg.step_scheduler.global_batch_size} = local {cfg.step_scheduler.local_batch_size} x dp "
                       f"{self.dist.dp_size} x accumulation {self.grad_accumulation}")
         plan = self.dist.plan
-        reporter.info("activation checkpointing: " + (plan.summary() if plan is not None else "off"))
-        if plan is not None and len(plan):
-            reporter.info(plan.table())
+        has_plan = plan is not None and len(plan) > 0
+        reporter.info("activation checkpointing: " + (plan.table() if has_plan else "off"))
         ranks = (f"; the maximum over the {self.dist.world_size} ranks" if self.dist.world_size > 1 else "")
         reporter.info(f"mem: {MEMORY_SOURCE_NOTES[self.memory_meter.source]}{ranks}")
         if self.resumed_from is not None:
