@@ -1,0 +1,6 @@
+"""Shared test setup."""
+
+import os
+
+# Before torch is imported anywhere in the test session: see the note in remat/__init__.py.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
