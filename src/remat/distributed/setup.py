@@ -148,7 +148,8 @@ class DistributedSetup:
         top = root if root is not None else model
         if root is not None and not any(m is model for m in root.modules()):
             raise ValueError("parallelize: `root` must contain `model` as a submodule")
-        model.to(self.device)
+        if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
+            model.to(self.device)  # skipped when already there: `Module.to` cannot run on fake parameters
         policy = parse_policy(self.activation_checkpointing, key="distributed.activation_checkpointing")
         self.plan = apply_activation_checkpointing(model, policy)
         if self.strategy == "single":

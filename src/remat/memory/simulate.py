@@ -365,9 +365,7 @@ def parallelize(net: nn.Module, settings: StepSettings, *, mesh: Any = None,
                              dp_size=settings.world_size, world_size=settings.world_size,
                              mixed_precision=settings.mixed_precision, device=device or torch.device("cpu"),
                              mesh=mesh)
-    fake = any(isinstance(p, FakeTensor) for p in net.parameters())
-    with _already_on_device(net) if fake else contextlib.nullcontext():
-        root = setup.parallelize(net, root=compute)
+    root = setup.parallelize(net, root=compute)  # the model is built on `device`: nothing is moved
     parts = compute.decoder if settings.loss == "fused" else net
     return root, parts, setup.plan.summary() if setup.plan is not None else None
 
@@ -396,17 +394,6 @@ def _mesh(settings: StepSettings) -> Any:
 def _local_numel(tensor: torch.Tensor) -> int:
     local = getattr(tensor, "_local_tensor", None)
     return int(local.numel() if local is not None else tensor.numel())
-
-
-@contextlib.contextmanager
-def _already_on_device(net: nn.Module) -> Iterator[None]:
-    """``Module.to`` cannot run on fake parameters (it swaps tensors that the fake mode references); the model is
-    built on the simulated device already, so its move in `DistributedSetup.parallelize` is skipped."""
-    net.to = lambda *args, **kwargs: net  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del net.to
 
 
 @contextlib.contextmanager
