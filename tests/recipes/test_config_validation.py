@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from remat.errors import ConfigError
 from remat.recipes.loader import load_recipe, validate_recipe
@@ -54,7 +55,7 @@ CASES = [
     ("bad-policy-key", with_("distributed.activation_checkpointing", {"mode": "full", "every_n": 2}),
      ["distributed.activation_checkpointing", "every_n", "every_n_layers"]),
     ("target-not-allowed", with_("optimizer._target_", "os.system"),
-     ["optimizer._target_", "'os.system' is outside the allowed modules", "allow_custom_targets"]),
+     ["optimizer._target_", "'os.system' is outside the allowed packages", "--custom_target_packages"]),
     ("target-typo", with_("optimizer._target_", "torch.optim.AdamWW"),
      ["optimizer._target_", "has no attribute 'AdamWW'", "torch.optim.AdamW"]),
     ("optimizer-kwarg-typo", with_("optimizer.learning_rate", 1e-3),
@@ -133,12 +134,32 @@ def test_every_error_is_reported_at_once() -> None:
     assert "step_scheduler.max_steps" in str(info.value) and "lr_scheduler.decay" in str(info.value)
 
 
-def test_custom_target_needs_opt_in() -> None:
-    recipe = with_("optimizer._target_", "collections.OrderedDict")
-    with pytest.raises(ConfigError, match="outside the allowed modules"):
+def test_custom_target_needs_the_runner_to_trust_its_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "my_training_bits"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import torch\n"
+        "class Sgd2(torch.optim.SGD):\n    pass\n"
+        "class LogitLoss:\n    consumes = 'logits'\n    def __call__(self, logits, labels, num_label_tokens=None):\n"
+        "        return logits.sum()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = with_("optimizer._target_", "my_training_bits.Sgd2")
+    recipe["optimizer"]["lr"] = 0.1
+    recipe["loss_fn"] = {"_target_": "my_training_bits.LogitLoss"}
+    with pytest.raises(ConfigError, match="'my_training_bits.Sgd2' is outside the allowed packages"):
         validate_recipe(recipe)
-    recipe["allow_custom_targets"] = True
-    assert validate_recipe(recipe).optimizer.target == "collections.OrderedDict"
+    recipe["custom_target_packages"] = ["my_training_bits"]
+    cfg = validate_recipe(recipe)
+    assert (cfg.optimizer.target, cfg.loss_fn.target) == ("my_training_bits.Sgd2", "my_training_bits.LogitLoss")
+    # From the command line it works the same; in the recipe file it is refused.
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in recipe.items() if k != "custom_target_packages"}))
+    assert load_recipe(path, ["--custom_target_packages", "[my_training_bits]"]).custom_target_packages == [
+        "my_training_bits"]
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(ConfigError, match="custom_target_packages: set in the recipe file .* cannot widen"):
+        load_recipe(path)
 
 
 def test_every_distributed_key_is_an_argument_of_the_setup() -> None:

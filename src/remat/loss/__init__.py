@@ -7,19 +7,22 @@ from remat.loss.chunked import DEFAULT_CHUNK_BYTES, GradStrategy, auto_token_chu
 from remat.loss.fused import FusedLinearCrossEntropy
 from remat.loss.head import OutputHead, output_head
 from remat.loss.masked import MaskedCrossEntropy
-from remat.loss.targets import Reduction, next_token_targets
+from remat.loss.targets import LOSS_INPUTS, LossInput, Reduction, loss_input, next_token_targets
 
 __all__ = [
     "BACKENDS",
+    "LOSS_INPUTS",
     "DEFAULT_CHUNK_BYTES",
     "Backend",
     "FusedLinearCrossEntropy",
     "GradStrategy",
+    "LossInput",
     "MaskedCrossEntropy",
     "OutputHead",
     "Reduction",
     "auto_token_chunk",
     "auto_vocab_chunk",
+    "loss_input",
     "next_token_targets",
     "output_head",
     "select_backend",

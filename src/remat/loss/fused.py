@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -20,6 +21,7 @@ from remat.loss.chunked import (
     resolve_grad_strategy,
 )
 from remat.loss.targets import (
+    LossInput,
     Reduction,
     check_labels,
     check_reduction,
@@ -49,6 +51,8 @@ class FusedLinearCrossEntropy:
         chunk_bytes: working-memory target of one chunk, in bytes.
         backend: "auto" (a CUDA kernel package if importable, else "torch"), "torch", "cce" or "liger".
     """
+
+    consumes: ClassVar[LossInput] = "hidden_states"
 
     def __init__(
         self,

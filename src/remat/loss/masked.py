@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from remat.errors import ConfigError
 from remat.loss.targets import (
+    LossInput,
     Reduction,
     check_labels,
     check_reduction,
@@ -24,6 +27,8 @@ class MaskedCrossEntropy:
     ``ignore_index`` do not count. The math runs in fp32 (fp64 for fp64 logits) (which costs an fp32 copy of
     the logits when they are bf16: that is what :class:`FusedLinearCrossEntropy` avoids).
     """
+
+    consumes: ClassVar[LossInput] = "logits"
 
     def __init__(self, ignore_index: int = -100, reduction: Reduction = "mean") -> None:
         self.ignore_index = int(ignore_index)

@@ -259,7 +259,7 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
         mixed_precision=getattr(dist, "mixed_precision", None),
         grad_accumulation=accumulation,
         vocab_size=len(tokenizer),
-        allow_custom_targets=cfg.allow_custom_targets,
+        custom_target_packages=tuple(cfg.custom_target_packages),
     )
     unknown = sorted(set(options) - set(_SETTING_NAMES))
     if unknown:

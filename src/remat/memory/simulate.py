@@ -90,7 +90,7 @@ class StepSettings:
     documents_per_row: int = 1
     vocab_size: int | None = None
     target: Target = "cuda"
-    allow_custom_targets: bool = False
+    custom_target_packages: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first setting that is out of range or an unsupported combination."""
@@ -327,27 +327,28 @@ def make_batch(settings: StepSettings, vocab_size: int) -> dict[str, torch.Tenso
 
 def build_optimizer(settings: StepSettings, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """The settings' optimizer over ``params`` (``foreach=True`` for the CUDA target, see the module docstring)."""
-    from remat.recipes.targets import build_target, resolve_target
+    from remat.recipes.targets import OPTIMIZER, build_target, resolve_target
 
     kwargs = dict(settings.optimizer_kwargs)
     if settings.target == "cuda" and not {"foreach", "fused"} & set(kwargs):
         import inspect
 
-        optimizer_class = resolve_target(settings.optimizer, key="optimizer._target_",
-                                         allow_custom=settings.allow_custom_targets)
+        optimizer_class = resolve_target(settings.optimizer, key="optimizer._target_", kind=OPTIMIZER,
+                                         custom_packages=settings.custom_target_packages)
         if "foreach" in inspect.signature(optimizer_class).parameters:
             kwargs["foreach"] = True  # what PyTorch picks by default for CUDA parameters
     optimizer: torch.optim.Optimizer = build_target(settings.optimizer, kwargs, key="optimizer._target_",
-                                                    allow_custom=settings.allow_custom_targets, params=params)
+                                                    kind=OPTIMIZER, custom_packages=settings.custom_target_packages,
+                                                    params=params)
     return optimizer
 
 
 def build_loss(settings: StepSettings) -> Callable[..., torch.Tensor]:
     """The settings' loss function, built like a recipe's ``loss_fn``."""
-    from remat.recipes.targets import build_target
+    from remat.recipes.targets import LOSS, build_target
 
     loss: Callable[..., torch.Tensor] = build_target(LOSS_TARGETS[settings.loss], dict(settings.loss_kwargs),
-                                                     key="loss_fn._target_")
+                                                     key="loss_fn._target_", kind=LOSS)
     return loss
 
 

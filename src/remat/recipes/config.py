@@ -152,7 +152,7 @@ class RecipeConfig(StrictModel):
 
     seed: int = 1234
     output_dir: str = "outputs/run"
-    allow_custom_targets: bool = False
+    custom_target_packages: list[str] = Field(default_factory=list)
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
@@ -166,3 +166,10 @@ class RecipeConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     peft: PeftConfig | None = None
+
+    @field_validator("custom_target_packages")
+    @classmethod
+    def _packages_allowed(cls, value: list[str]) -> list[str]:
+        from remat.recipes.targets import check_custom_packages
+
+        return list(check_custom_packages(value))

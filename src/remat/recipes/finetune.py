@@ -46,7 +46,7 @@ from remat.recipes.config import PeftConfig, RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import CausalLMLoss, count_label_tokens
 from remat.recipes.reporting import RunReporter, StepRecord
-from remat.recipes.targets import build_target
+from remat.recipes.targets import LOSS, OPTIMIZER, build_target
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
 
@@ -100,8 +100,8 @@ class FinetuneRecipe:
         model = build_model(cfg.model, vocab_size=len(self.tokenizer), device=str(self.dist.device))
         if cfg.peft is not None:
             model = _apply_lora(model, cfg.peft)
-        loss_fn = build_target(cfg.loss_fn.target, cfg.loss_fn.kwargs, key="loss_fn._target_",
-                               allow_custom=cfg.allow_custom_targets)
+        loss_fn = build_target(cfg.loss_fn.target, cfg.loss_fn.kwargs, key="loss_fn._target_", kind=LOSS,
+                               custom_packages=cfg.custom_target_packages)
         # The loss module is the root that DDP / FSDP2 wrap, so the loss (fused: with the output head's whole weight)
         # runs inside the wrapper's forward; `self.model` stays the transformers (or peft) model, for saving.
         self.model = model
@@ -109,7 +109,7 @@ class FinetuneRecipe:
             model, root=CausalLMLoss(model, loss_fn, use_hidden_states=cfg.model.output_hidden_states))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_target(cfg.optimizer.target, cfg.optimizer.kwargs, key="optimizer._target_",
-                                      allow_custom=cfg.allow_custom_targets, params=trainable)
+                                      kind=OPTIMIZER, custom_packages=cfg.custom_target_packages, params=trainable)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.step_scheduler.max_steps)
         self.batches = StatefulBatchIterator(
             self.train_data, cfg.step_scheduler.local_batch_size, shuffle=cfg.dataset.shuffle, seed=cfg.seed,

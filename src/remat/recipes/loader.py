@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from remat.errors import ConfigError, RematError
 from remat.recipes.config import RecipeConfig, TargetConfig
-from remat.recipes.targets import check_kwargs, resolve_target
+from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
 
 class RecipeYamlLoader(yaml.SafeLoader):
@@ -30,8 +30,12 @@ RecipeYamlLoader.add_implicit_resolver(
     list("-+0123456789"),
 )
 
-# Arguments remat passes itself when it builds these targets.
-PROVIDED_ARGS: dict[str, tuple[str, ...]] = {"optimizer": ("params",), "loss_fn": ()}
+# Keys only the person running a recipe may set (a command-line override or Python), never the recipe file: a shared
+# recipe must not widen the ``_target_`` allow-list for itself.
+RUNNER_ONLY_KEYS: dict[str, str] = {
+    "custom_target_packages": "",
+    "allow_custom_targets": " (this older key was a switch; it is now a list of the packages you trust)",
+}
 
 
 def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
@@ -123,14 +127,26 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
 def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
     """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate."""
     data = read_yaml(path)
+    _refuse_runner_only_keys(data, path)
     pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
     return validate_recipe(apply_overrides(data, pairs))  # type: ignore[arg-type]
 
 
+def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:
+    for key, note in RUNNER_ONLY_KEYS.items():
+        if key in data:
+            raise ConfigError(
+                f"{key}: set in the recipe file {str(path)!r}; a recipe cannot widen the _target_ allow-list for "
+                f"itself, since a shared recipe could then run any code{note}. Remove it, and trust your own "
+                "package when you run the recipe: --custom_target_packages '[my_package]'"
+            )
+
+
 def _check_targets(cfg: RecipeConfig) -> None:
-    for section in ("optimizer", "loss_fn"):
+    for section, kind in SECTION_KINDS.items():
         target_cfg: TargetConfig = getattr(cfg, section)
-        fn = resolve_target(target_cfg.target, key=f"{section}._target_", allow_custom=cfg.allow_custom_targets)
+        fn = resolve_target(target_cfg.target, key=f"{section}._target_", kind=kind,
+                            custom_packages=cfg.custom_target_packages)
         check_kwargs(fn, target_cfg.kwargs, key=f"{section}._target_", provided=PROVIDED_ARGS[section])
 
 
