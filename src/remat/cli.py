@@ -15,7 +15,7 @@ from types import ModuleType
 from remat import __version__
 from remat.errors import RematError
 
-COMMANDS: tuple[str, ...] = ("finetune", "estimate")
+COMMANDS: tuple[str, ...] = ("finetune", "estimate", "report")
 
 
 def _command_modules() -> dict[str, ModuleType]:

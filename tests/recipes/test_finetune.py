@@ -67,6 +67,9 @@ def test_trains_logs_and_loss_falls(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "mem: exact peak of live tensor bytes" in out
     assert "activation checkpointing: off" in out
     assert all(r.mem_source == "tracked" and r.mem_bytes > 0 for r in result.records)
+    # The end of the run: its summary and a report.png beside the metrics.
+    assert "trained steps 1-20 in " in out and f"report: {tmp_path / 'run' / 'report.png'}" in out
+    assert (tmp_path / "run" / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_accumulation_equals_one_big_batch(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ from remat.recipes.checkpoint_io import (
 from remat.recipes.checkpoint_sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from remat.recipes.config import PeftConfig, RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
+from remat.recipes.run_report import write_run_report
 from remat.recipes.model_loss import CausalLMLoss, count_label_tokens
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.targets import LOSS, OPTIMIZER, build_target
@@ -181,7 +182,16 @@ class FinetuneRecipe:
             if cfg.checkpoint.enabled and (cfg.checkpoint.save_final or result.stopped_early):
                 if result.last_checkpoint is None or not result.last_checkpoint.name.endswith(f"_{self.step}"):
                     result.last_checkpoint = self._save(reporter)
+        if self.dist.is_main_process and cfg.logging.metrics_file and result.records:
+            self._report_run(result)
         return result
+
+    def _report_run(self, result: RunResult) -> None:
+        """Print the run's summary and draw ``report.png`` beside its metrics (the whole run, resumes included)."""
+        model_dir = result.last_checkpoint / "model" if result.last_checkpoint is not None else None
+        summary, png = write_run_report(self.output_dir, metrics_file=self.cfg.logging.metrics_file or "",
+                                        model_dir=model_dir if model_dir is not None and model_dir.is_dir() else None)
+        print("\n".join(["", *summary.lines(), f"report: {png}"]), flush=True)
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Finish the current step, save a checkpoint and return from ``run`` (used by signal handlers)."""
