@@ -49,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RematError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: stopped at once (the last complete checkpoint is kept)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def test_sigterm_saves_and_stops_cleanly(tmp_path: Path) -> None:
 
     previous = signal.getsignal(signal.SIGTERM)
     _, result = run(tiny_recipe(tmp_path), callbacks=[send_sigterm])
-    assert result.stopped_early and result.final_step == 2
+    assert result.stopped_early and result.final_step == 2 and result.exit_code == 128 + signal.SIGTERM == 143
     assert result.last_checkpoint is not None and (result.last_checkpoint / "model" / "config.json").is_file()
     assert signal.getsignal(signal.SIGTERM) is previous
 

@@ -64,10 +64,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         logging.getLogger("remat").setLevel(logging.WARNING)
     recipe = FinetuneRecipe(cfg)
     try:
-        recipe.run()
+        result = recipe.run()
     finally:
         recipe.dist.close()
-    return 0
+    return result.exit_code
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:

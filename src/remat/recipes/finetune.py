@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -69,6 +70,13 @@ class RunResult:
     final_step: int = 0
     stopped_early: bool = False
     last_checkpoint: Path | None = None
+    stop_signal: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0 for a run that ended by itself; 128 + the signal's number (130 SIGINT, 143 SIGTERM) for one a signal
+        stopped, as shells and job schedulers expect, even though it saved and stopped cleanly."""
+        return 128 + self.stop_signal if self.stop_signal is not None else 0
 
 
 class FinetuneRecipe:
@@ -78,6 +86,7 @@ class FinetuneRecipe:
         self.cfg = cfg
         self.callbacks: list[StepCallback] = list(callbacks or [])
         self._stop_reason: str | None = None
+        self._stop_signal: int | None = None
         _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
         # Every key of the `distributed` section is an argument of DistributedSetup.build.
         self.dist = DistributedSetup.build(**cfg.distributed.model_dump())
@@ -155,7 +164,7 @@ class FinetuneRecipe:
         result = RunResult(start_step=self.step, final_step=self.step)
         reporter = RunReporter(cfg.logging, self.output_dir, total_steps=max_steps, start_step=self.step,
                                enabled=self.dist.is_main_process)
-        with reporter, _stop_on_signals(self.request_stop):
+        with reporter, _stop_on_signals(self._on_signal):
             self._report_setup(reporter)
             if self.step >= max_steps:
                 reporter.info(f"nothing to do: {self.resumed_from} is already at step {self.step} >= max_steps "
@@ -177,6 +186,7 @@ class FinetuneRecipe:
                     result.last_checkpoint = self._save(reporter)
             result.final_step = self.step
             result.stopped_early = self._stop_reason is not None and self.step < max_steps
+            result.stop_signal = self._stop_signal
             if result.stopped_early:
                 reporter.info(f"stopping at step {self.step}: {self._stop_reason}")
             if cfg.checkpoint.enabled and (cfg.checkpoint.save_final or result.stopped_early):
@@ -192,6 +202,15 @@ class FinetuneRecipe:
         summary, png = write_run_report(self.output_dir, metrics_file=self.cfg.logging.metrics_file or "",
                                         model_dir=model_dir if model_dir is not None and model_dir.is_dir() else None)
         print("\n".join(["", *summary.lines(), f"report: {png}"]), flush=True)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        self._stop_signal = signum
+        self.request_stop(f"received {name}")
+        if self.dist.is_main_process:
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            print(f"received {name}: stopping after the current step and saving a checkpoint; {again} again stops "
+                  "at once (the last complete checkpoint stays)", file=sys.stderr, flush=True)
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Finish the current step, save a checkpoint and return from ``run`` (used by signal handlers)."""
@@ -386,15 +405,15 @@ def _seed_everything(seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _stop_on_signals(request_stop: Callable[[str], None]) -> Iterator[None]:
-    """On the first SIGTERM/SIGINT ask the loop to stop after the current step; a second SIGINT interrupts at once."""
+def _stop_on_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """On the first SIGTERM/SIGINT call ``on_signal`` (the loop stops after the current step); a second one stops at
+    once: SIGINT raises KeyboardInterrupt, SIGTERM takes its default action. Checkpoints are written to a temporary
+    directory and renamed when complete, so stopping at once never breaks the last complete one."""
     previous: dict[int, Any] = {}
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        request_stop(f"received {name}")
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        on_signal(signum)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,46 @@
+"""`remat finetune` stopped by a signal: says so at once, saves after the step, exits 130 (SIGINT) or 143 (SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+RECIPE = {
+    "model": {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                                 "num_attention_heads": 4, "num_key_value_heads": 2}},
+    "tokenizer": {"vocab_size": 512},
+    "dataset": {"seq_length": 32},
+    "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2, "max_steps": 100000},
+    "logging": {"progress": "plain"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_saves_and_exits_with_128_plus_signal(sig: signal.Signals, tmp_path: Path) -> None:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(RECIPE | {"output_dir": str(tmp_path / "run")}))
+    env_cache = {"REMAT_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "remat.cli", "finetune", str(path)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | env_cache)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step 2 |"):
+                break
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert f"received {sig.name}: stopping after the current step and saving a checkpoint" in err
+    assert "Traceback" not in err
+    assert "stopping at step" in out and "saved checkpoint" in out
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved and (tmp_path / "run" / "checkpoints" / saved[-1] / "model" / "config.json").is_file()
