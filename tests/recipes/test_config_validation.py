@@ -169,3 +169,27 @@ def test_every_distributed_key_is_an_argument_of_the_setup() -> None:
     from remat.recipes.config import DistributedConfig
 
     assert set(DistributedConfig.model_fields) <= set(inspect.signature(DistributedSetup.build).parameters)
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text("model:\n  preset: tiny-llama\nseed: 1\nseed: 2\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML at line 4, column 1: key 'seed' appears twice \(first "
+                                          r"at line 3\)"):
+        load_recipe(path)
+
+
+def test_validation_keys_need_a_validation_dataset() -> None:
+    with pytest.raises(ConfigError, match="step_scheduler.val_every_steps: set to 5, but the recipe has no "
+                                          "validation_dataset"):
+        validate_recipe(with_("step_scheduler.val_every_steps", 5))
+    ok = with_("step_scheduler.val_every_steps", 5)
+    ok["validation_dataset"] = {"split": "validation"}
+    assert validate_recipe(ok).step_scheduler.val_every_steps == 5
+
+
+def test_warmup_longer_than_the_run_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    recipe = with_("lr_scheduler.warmup_steps", 10)
+    with caplog.at_level("WARNING", logger="remat.recipes.loader"):
+        validate_recipe(recipe)
+    assert "lr_scheduler.warmup_steps (10) is more than step_scheduler.max_steps (3)" in caplog.text

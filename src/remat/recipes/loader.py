@@ -7,6 +7,7 @@ Values are parsed as YAML scalars/flow collections, so ``true``, ``3e-4``, ``[1,
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,8 +21,22 @@ from remat.recipes.config import RecipeConfig, TargetConfig
 from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
 
+logger = logging.getLogger(__name__)
+
+
 class RecipeYamlLoader(yaml.SafeLoader):
-    """Safe YAML loading that also reads ``3e-4`` and ``1e5`` as floats (YAML 1.1 leaves them strings)."""
+    """Safe YAML loading that also reads ``3e-4`` and ``1e5`` as floats (YAML 1.1 leaves them strings) and refuses
+    a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 RecipeYamlLoader.add_implicit_resolver(
@@ -121,6 +136,7 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
         raise ConfigError(format_validation_error(err, RecipeConfig)) from None
     _check_targets(cfg)
     _check_cross_section(cfg)
+    _check_schedule(cfg)
     return cfg
 
 
@@ -162,6 +178,18 @@ def _check_cross_section(cfg: RecipeConfig) -> None:
             f"distributed.dp_size: {cfg.distributed.dp_size} needs strategy 'ddp' or 'fsdp2' "
             "(strategy 'single' runs one process)"
         )
+
+
+def _check_schedule(cfg: RecipeConfig) -> None:
+    sched, warmup = cfg.step_scheduler, cfg.lr_scheduler.warmup_steps
+    if warmup > sched.max_steps:  # a warning, not an error: short trial runs of a long recipe are common
+        logger.warning("lr_scheduler.warmup_steps (%d) is more than step_scheduler.max_steps (%d): the learning rate "
+                       "never reaches optimizer.lr in this run", warmup, sched.max_steps)
+    if cfg.validation_dataset is None:
+        for key in ("val_every_steps", "val_batches"):
+            if getattr(sched, key) is not None:
+                raise ConfigError(f"step_scheduler.{key}: set to {getattr(sched, key)}, but the recipe has no "
+                                  "validation_dataset section to validate on; add one or remove this key")
 
 
 # ----------------------------------------------------------------------------------------------------------------
