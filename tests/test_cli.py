@@ -74,3 +74,12 @@ def test_readme_quick_start_is_two_commands_and_ci_runs_the_second() -> None:
     assert len(commands) == 2
     assert "remat finetune examples/quickstart.yaml" in commands[0]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_log_level_is_taken_before_or_after_the_command() -> None:
+    from remat.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_known_args(["report", "out", "--log-level", "DEBUG"])[0].log_level == "DEBUG"
+    assert parser.parse_known_args(["--log-level", "ERROR", "report", "out"])[0].log_level == "ERROR"
+    assert parser.parse_known_args(["report", "out"])[0].log_level == "INFO"

@@ -28,12 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="remat: memory-efficient fine-tuning of causal LMs (activation checkpointing, fused loss).",
     )
     parser.add_argument("--version", action="version", version=f"remat {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="verbosity of remat's own log messages (default INFO)")
+    _add_log_level(parser, default="INFO")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _command_modules().values():
         module.register(sub)
+    for command_parser in sub.choices.values():  # `remat finetune r.yaml --log-level DEBUG` works too
+        _add_log_level(command_parser, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser, *, default: str) -> None:
+    parser.add_argument("--log-level", default=default, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="verbosity of remat's own log messages (default INFO)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
