@@ -16,3 +16,7 @@ class ConfigError(RematError, ValueError):
 
 class CheckpointingError(RematError, ValueError):
     """Activation checkpointing cannot be applied as asked (no blocks found, unknown policy, ...)."""
+
+
+class TrainingDivergedError(RematError):
+    """A step's loss or gradient norm is NaN or infinite: the run stops before it saves anything from that state."""

@@ -185,3 +185,24 @@ def test_fused_loss_takes_the_models_softcap(tmp_path: Path) -> None:
     plain = CausalLMLoss(model, MaskedCrossEntropy(), use_hidden_states=False)
     assert fused.loss_fn.logit_softcap == 30.0
     torch.testing.assert_close(fused(batch), plain(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_a_diverged_step_stops_the_run_and_saves_nothing(tmp_path: Path) -> None:
+    from remat.errors import TrainingDivergedError
+
+    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 6, "ckpt_every_steps": 2},
+                         checkpoint={"keep_last": 1})
+    good, _ = run(recipe | {"step_scheduler": {**recipe["step_scheduler"], "max_steps": 2}})
+    saved = sorted(p.name for p in good.checkpoint_dir.iterdir())
+
+    def poison(job: FinetuneRecipe, record: Any) -> None:  # weights become NaN after the first resumed step
+        if record.step == 3:
+            with torch.no_grad():
+                next(job.model.parameters()).fill_(float("nan"))
+
+    with pytest.raises(TrainingDivergedError, match=r"step 4: loss nan and grad_norm nan: training diverged, so the "
+                                                     r"run stops without saving this state \(the last good checkpoint "
+                                                     r"is .*step_2\)"):
+        run(recipe, callbacks=[poison])
+    # Nothing new was saved from the broken weights, and the good checkpoint was not pruned.
+    assert sorted(p.name for p in good.checkpoint_dir.iterdir()) == saved

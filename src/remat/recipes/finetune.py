@@ -15,6 +15,7 @@ on by all ranks, and checkpoints are sharded (fsdp2, torch.distributed.checkpoin
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import signal
 import sys
@@ -31,7 +32,7 @@ from torch import nn
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
 from remat.data.loader import collate
 from remat.distributed import DistributedSetup, ProcessEnv, clip_grad_norm, validate_settings
-from remat.errors import ConfigError
+from remat.errors import ConfigError, TrainingDivergedError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import build_model, count_parameters
 from remat.recipes.checkpoint_io import (
@@ -175,6 +176,7 @@ class FinetuneRecipe:
                 record = self._train_step()
                 result.records.append(record)
                 reporter.step(record)
+                _refuse_non_finite(record, result.last_checkpoint or self.resumed_from)
                 for callback in self.callbacks:
                     callback(self, record)
                 sched = cfg.step_scheduler
@@ -402,6 +404,22 @@ def _seed_everything(seed: int) -> None:
         import numpy as np
 
         np.random.seed(seed % 2**32)
+
+
+def _refuse_non_finite(record: StepRecord, last_good: Path | None) -> None:
+    """Stop the run, saving nothing, when a step's loss or gradient norm is NaN or infinite.
+
+    The optimizer has already applied that step, so the weights in memory may be broken; no checkpoint is written from
+    them (and none is pruned), so the last one saved stays the newest. Every rank sees the same global loss and norm,
+    so all ranks stop together."""
+    if math.isfinite(record.loss) and math.isfinite(record.grad_norm):
+        return
+    where = f"the last good checkpoint is {last_good}" if last_good is not None else "no checkpoint was saved yet"
+    raise TrainingDivergedError(
+        f"step {record.step}: loss {record.loss} and grad_norm {record.grad_norm}: training diverged, so the run "
+        f"stops without saving this state ({where}). Lower optimizer.lr, keep clip_grad_norm.max_norm set, or check "
+        "the data; then resume from that checkpoint"
+    )
 
 
 @contextlib.contextmanager
