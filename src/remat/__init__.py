@@ -8,6 +8,8 @@ The public API, re-exported here (nothing inside the package imports from this m
 - ``LiveTensorTracker`` and ``StepMemoryMeter`` (``remat.memory``): exact memory accounting;
   ``estimate_memory(...) -> MemoryEstimate``: a training step's peak predicted on fake tensors.
 - ``DistributedSetup``: how the model is spread over processes, and the order savers are applied in.
+- ``AutoModelForCausalLM.from_pretrained(path_or_hub_id_or_preset, distributed_setup=...)`` / ``.from_config``:
+  build a model and apply the setup's checkpointing and parallelism in one call (the plan in ``model.remat_plan``).
 - ``build_model`` / ``ModelConfig`` (``remat.models``), ``FinetuneRecipe`` / ``load_recipe`` (``remat.recipes``).
 """
 
@@ -21,6 +23,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from remat import loss  # noqa: E402
+from remat.auto import AutoModelForCausalLM  # noqa: E402
 from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy  # noqa: E402
 from remat.distributed import DistributedSetup  # noqa: E402
 from remat.errors import CheckpointingError, ConfigError, RematError  # noqa: E402
@@ -32,6 +35,7 @@ from remat.recipes.loader import load_recipe  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoModelForCausalLM",
     "CheckpointPlan",
     "CheckpointPolicy",
     "CheckpointingError",

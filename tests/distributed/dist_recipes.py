@@ -21,6 +21,7 @@ PARITY_CASES: dict[str, tuple[str, Any, bool, bool, int]] = {
     "fsdp2-fused": ("fsdp2", "full", True, False, 1),
     "fsdp2-fused-tied": ("fsdp2", "selective", True, True, 1),
     "fsdp2-tp2": ("fsdp2", "full", False, True, 2),
+    "fsdp2-sqrt": ("fsdp2", "sqrt", False, True, 1),  # one segment of both blocks: one FSDP2 unit (shard_groups)
     "ddp-none": ("ddp", False, False, True, 1),
     "ddp-full": ("ddp", "full", False, True, 1),
     "ddp-selective": ("ddp", "selective", False, True, 1),

@@ -1,4 +1,4 @@
-"""ModelConfig validation: one source, local directories only, known presets; messages name model.<key>."""
+"""ModelConfig validation: one source, a local directory or a Hub id, known presets; messages name model.<key>."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from remat.errors import ConfigError
-from remat.models import ModelConfig
+from remat.models import ModelConfig, build_model, is_hub_id
 
 
 def _error_of(**fields: object) -> str:
@@ -38,16 +38,26 @@ def test_no_source_lists_the_three_choices() -> None:
         assert key in message
 
 
-def test_hub_id_is_refused_with_the_matching_preset_suggested() -> None:
-    message = _error_of(pretrained_model_name_or_path="meta-llama/Llama-3.2-1B")
-    assert "model.pretrained_model_name_or_path: 'meta-llama/Llama-3.2-1B' is not a local directory" in message
-    assert "never downloads" in message
-    assert "model.preset: llama-3.2-1b" in message
+@pytest.mark.parametrize("hub_id", ["meta-llama/Llama-3.2-1B", "gpt2", "org/name_1.0"])
+def test_hub_id_is_accepted_without_looking_it_up(hub_id: str) -> None:
+    cfg = ModelConfig(pretrained_model_name_or_path=hub_id)  # no network, no cache: resolved when the model is built
+    assert cfg.pretrained_model_name_or_path == hub_id and cfg.source == "pretrained"
+    assert is_hub_id(hub_id)
 
 
-def test_unknown_hub_id_gets_no_preset_hint() -> None:
-    message = _error_of(pretrained_model_name_or_path="someone/unknown-model")
-    assert "is not a local directory" in message and "model.preset:" not in message
+@pytest.mark.parametrize("value", ["./missing/dir", "a/b/c", "org/na..me", "-org/name", "org--x/name", "~/nowhere"])
+def test_neither_a_directory_nor_a_hub_id_is_refused(value: str) -> None:
+    message = _error_of(pretrained_model_name_or_path=value)
+    assert f"model.pretrained_model_name_or_path: {value!r} is neither a local directory nor a Hub id" in message
+    assert not is_hub_id(value)
+
+
+def test_an_existing_directory_wins_over_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = ModelConfig(pretrained_model_name_or_path="org/name")
+    with pytest.raises(ConfigError, match=r"'org/name' has no config.json; give a directory"):
+        build_model(cfg)  # read as the local directory, not looked up on the Hub
 
 
 def test_a_file_is_not_a_model_directory(tmp_path: Path) -> None:

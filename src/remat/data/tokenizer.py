@@ -1,8 +1,10 @@
-"""Tokenizers: from a local path, from the model's directory, or the builtin byte-level BPE (trained once, cached).
+"""Tokenizers: from a local path, from the model (its directory or Hub repository), or the builtin byte-level BPE
+(trained once, cached).
 
 The builtin tokenizer is trained with the `tokenizers` library on the train split of the builtin corpus (well under a
 second), saved atomically under `$REMAT_CACHE_DIR/tokenizers/<fingerprint>/` (default `~/.cache/remat`) and loaded
-from there on later builds. Nothing is ever downloaded.
+from there on later builds. Only a Hub model's own tokenizer is downloaded (by transformers, into the Hugging Face
+cache; read from that cache when offline).
 """
 
 from __future__ import annotations
@@ -152,14 +154,33 @@ def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path") -> PreTr
         raise ConfigError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
 
 
+def _hub_tokenizer(hub_id: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of the Hub model `hub_id`, resolved as transformers does (the HF cache when offline); None,
+    said in a warning, when the repository has none that loads."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hub_id)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        logger.warning("no tokenizer loads for the Hub model %s (%s); using the builtin tokenizer (set "
+                       "tokenizer.path to choose one)", hub_id, reason)
+        return None
+    logger.info("loaded the tokenizer of the Hub model %s", hub_id)
+    return tokenizer
+
+
 def build_tokenizer(cfg: TokenizerConfig, model_path: str | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer a recipe asks for: `cfg.path`, else the model's local directory if it has one, else builtin."""
+    """The tokenizer a recipe asks for: `cfg.path`, else the model's own (its local directory's tokenizer files, or
+    the Hub repository's tokenizer for a Hub id), else the builtin one."""
     if cfg.path is not None:
         logger.info("loading the tokenizer from %s", cfg.path)
         return load_tokenizer_from_path(cfg.path)
     if model_path is not None and has_tokenizer_files(Path(model_path).expanduser()):
         logger.info("loading the tokenizer from the model directory %s", model_path)
         return load_tokenizer_from_path(model_path, key="model.pretrained_model_name_or_path")
+    if model_path is not None and not Path(model_path).expanduser().exists():
+        hub_tokenizer = _hub_tokenizer(model_path)
+        if hub_tokenizer is not None:
+            return hub_tokenizer
     if model_path is not None:
         logger.info("%s has no tokenizer files; using the builtin tokenizer", model_path)
     return builtin_tokenizer(cfg.vocab_size)

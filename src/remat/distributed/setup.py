@@ -4,7 +4,7 @@ Strategies:
 - ``single``: one process, one device;
 - ``ddp``: every rank holds the whole model; gradients are all-reduced (``DistributedDataParallel``);
 - ``fsdp2``: parameters, gradients and optimizer state are sharded over the data-parallel ranks (``fully_shard``
-  per transformer block and at the root), optionally with tensor parallelism inside the blocks (``tp_size``).
+  per transformer block, per segment for segment checkpointing, and at the root), optionally with tensor parallelism inside the blocks (``tp_size``).
 
 ``parallelize`` applies, in this order: activation checkpointing (it wraps the transformer blocks), tensor
 parallelism, ``fully_shard`` per block then at the root (FSDP2), or the DDP wrapper. Processes are started by
@@ -185,11 +185,21 @@ class DistributedSetup:
                                                         reduce_dtype=torch.float32)
         options["offload_policy"] = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload
                                      else OffloadPolicy())
-        for index, block in enumerate(blocks):
-            # The last block's parameters are needed again at once by backward: keep them gathered.
-            fully_shard(block, reshard_after_forward=index < len(blocks) - 1, **options)
+        units = self._shard_units(model, blocks)
+        for index, unit in enumerate(units):
+            # The last unit's parameters are needed again at once by backward: keep them gathered.
+            fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=index < len(units) - 1, **options)
         fully_shard(top, **options)
         return top
+
+    def _shard_units(self, model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Module]]:
+        """The groups of blocks sharded as one FSDP2 unit each: the plan's ``shard_groups()`` (a checkpointed
+        segment is replayed as a whole in backward, so its blocks are gathered together), one block per unit when
+        nothing was checkpointed."""
+        if self.plan is None or not self.plan.layers:
+            return [[block] for block in blocks]
+        modules = dict(model.named_modules())
+        return [[modules[name] for name in group] for group in self.plan.shard_groups()]
 
     def _wrap_ddp(self, model: nn.Module, top: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel

@@ -1,4 +1,5 @@
-"""Build a transformers causal LM from a `ModelConfig`: a local pretrained directory, a preset, or a config mapping.
+"""Build a transformers causal LM from a `ModelConfig`: pretrained weights (a local directory or a Hub id), a preset,
+or a config mapping.
 
 Weights built from a preset or config are random and come from torch's global RNG on the target device, so
 `torch.manual_seed(s)` before `build_model` gives the same weights every time on that device. Models are built for
@@ -14,7 +15,7 @@ import functools
 import inspect
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from remat.errors import ConfigError
 from remat.models.config import ModelConfig
-from remat.models.presets import get_preset
+from remat.models.presets import get_preset, preset_for_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -63,29 +64,49 @@ def build_model(
     vocab_size: int | None = None,
     device: str | torch.device = "cpu",
     meta: bool = False,
+    pretrained_kwargs: Mapping[str, Any] | None = None,
 ) -> PreTrainedModel:
     """Build the causal LM described by `cfg` on `device` (or on the meta device, without storage, if `meta`).
 
     Parameters are created in `cfg.dtype`; the model is returned in train mode with `use_cache=False`.
-    See `resolve_model_config` for how `vocab_size` is used.
+    See `resolve_model_config` for how `vocab_size` is used. `pretrained_kwargs` go to transformers'
+    `from_pretrained` for pretrained sources (for example `revision`, `token`, `cache_dir`, or config overrides).
     """
     _check_vocab_argument(vocab_size)
     dtype: torch.dtype = getattr(torch, cfg.dtype)
     if cfg.source == "pretrained" and not meta:
-        model = _load_pretrained(cfg, dtype, device)
+        model = _load_pretrained(cfg, dtype, device, dict(pretrained_kwargs or {}))
         if vocab_size is not None:
             _grow_vocabulary(model, vocab_size)
-    else:
-        config = resolve_model_config(cfg, vocab_size)
-        with torch.device("meta" if meta else device):
-            model = AutoModelForCausalLM.from_config(
-                config,
-                dtype=dtype,
-                attn_implementation=cfg.attn_implementation,
-                trust_remote_code=cfg.trust_remote_code,
-            )
+        model.config.use_cache = False
+        return model.train()  # from_pretrained hands models back in eval mode; every source starts the same way
+    config = resolve_model_config(cfg, vocab_size)
+    return model_from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                             trust_remote_code=cfg.trust_remote_code, device=device, meta=meta)
+
+
+def model_from_config(
+    config: PretrainedConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    device: str | torch.device = "cpu",
+    meta: bool = False,
+) -> PreTrainedModel:
+    """A causal LM with random weights for the transformers `config` (from torch's global RNG), built directly on
+    `device` (or the meta device), in train mode with `use_cache=False`."""
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(
+            f"config: {type(config).__name__} has no causal-LM class in transformers (AutoModelForCausalLM cannot "
+            "build it); give a decoder config such as LlamaConfig or Qwen3Config."
+        )
+    with torch.device("meta" if meta else device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
     model.config.use_cache = False
-    return model.train()  # from_pretrained hands models back in eval mode; every source starts the same way
+    return model.train()
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
@@ -169,38 +190,58 @@ def _mentioned_in_config_code(config_class: type[PretrainedConfig], key: str) ->
     return f'"{key}"' in code or f"'{key}'" in code
 
 
-def _pretrained_directory(cfg: ModelConfig) -> str:
+def _pretrained_source(cfg: ModelConfig) -> tuple[str, bool]:
+    """(the path or Hub id to load, whether it is a local directory)."""
     path = cfg.pretrained_model_name_or_path
     assert path is not None
+    if not Path(path).is_dir():
+        return path, False  # ModelConfig accepted it as a Hub id
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(
             f"{_PRETRAINED_KEY}: {path!r} has no config.json; give a directory written by `save_pretrained` "
             "(config.json next to the weights)."
         )
-    return path
+    return path, True
 
 
 def _pretrained_config(cfg: ModelConfig) -> PretrainedConfig:
-    path = _pretrained_directory(cfg)
+    path, local = _pretrained_source(cfg)
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(path, local_files_only=local, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{_PRETRAINED_KEY}: cannot read a transformers config from {path!r}: {err}") from err
+        raise _load_error(path, local, "read a transformers config", err) from err
 
 
-def _load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
-    path = _pretrained_directory(cfg)
+def _load_pretrained(
+    cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, kwargs: dict[str, Any]
+) -> PreTrainedModel:
+    path, local = _pretrained_source(cfg)
+    kwargs.setdefault("local_files_only", local)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path,
-            local_files_only=True,
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
+            path, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+            **kwargs,
         )
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{_PRETRAINED_KEY}: cannot load a causal LM from {path!r}: {err}") from err
+        raise _load_error(path, local, "load a causal LM", err) from err
     return model.to(device)
+
+
+def _load_error(path: str, local: bool, action: str, err: Exception) -> ConfigError:
+    """One line saying what could not be loaded from where; for a Hub id, what to do about it."""
+    reason = " ".join(str(err).split())  # transformers' and huggingface_hub's messages span several lines
+    if local:
+        return ConfigError(f"{_PRETRAINED_KEY}: cannot {action} from {path!r}: {reason}")
+    from huggingface_hub import constants
+
+    where = f"the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.is_offline_mode():
+        hint = f"HF_HUB_OFFLINE is set and {path!r} is not in {where}: download it while online (`hf download {path}`)"
+    else:
+        hint = f"check the id, your network and, for gated models, your token (`hf auth login`); cache: {where}"
+    matching = preset_for_hub_id(path)
+    preset = f"; for random weights of the same shape use `model.preset: {matching.name}`" if matching else ""
+    return ConfigError(f"{_PRETRAINED_KEY}: cannot {action} for the Hub id {path!r} ({hint}{preset}): {reason}")
 
 
 def _grow_vocabulary(model: PreTrainedModel, vocab_size: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -9,22 +10,35 @@ from pydantic import field_validator, model_validator
 
 from remat.config_base import StrictModel
 from remat.errors import ConfigError
-from remat.models.presets import get_preset, preset_for_hub_id, preset_names
+from remat.models.presets import get_preset, preset_names
 
 ParamDtype = Literal["float32", "bfloat16", "float16"]
 AutocastDtype = Literal["bfloat16", "float16"]
 ModelSource = Literal["pretrained", "preset", "config"]
 
+# A Hub repository id as huggingface_hub accepts one: "name" or "org/name", each part up to 96 characters of letters,
+# digits, "-", "_" and ".", neither starting nor ending with "-" or "." and with no "--" or "..".
+_HUB_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"{_HUB_PART}(?:/{_HUB_PART})?")
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether `value` is shaped like a Hugging Face Hub repository id ("org/name" or "name"); nothing is looked up."""
+    return _HUB_ID.fullmatch(value) is not None
+
 
 class ModelConfig(StrictModel):
-    """Which causal LM to train: a local pretrained directory, a named shape preset, or a transformers config.
+    """Which causal LM to train: pretrained weights (a local directory or a Hub id), a named shape preset, or a
+    transformers config.
 
     Exactly one source is given; `config` may accompany `preset` to override some of its fields (for example
-    `num_hidden_layers`). Nothing is ever downloaded.
+    `num_hidden_layers`). A Hub id is resolved by transformers as `from_pretrained` resolves it: downloaded into
+    the Hugging Face cache when online, read from that cache when offline (`HF_HUB_OFFLINE=1`).
     """
 
     pretrained_model_name_or_path: str | None = None
-    """A local directory holding `config.json` and weights (as written by `save_pretrained`)."""
+    """A local directory holding `config.json` and weights (as written by `save_pretrained`), or a Hub id such as
+    `meta-llama/Llama-3.2-1B` (an existing directory of that name wins)."""
     preset: str | None = None
     """A shape preset name (see `remat.models.preset_names()`): random weights of a well-known model's shape."""
     config: dict[str, Any] | None = None
@@ -38,11 +52,11 @@ class ModelConfig(StrictModel):
     output_hidden_states: bool = False
     """The loss needs the last hidden states instead of logits (fused linear cross-entropy)."""
     trust_remote_code: bool = False
-    """Allow custom modelling code shipped inside a local pretrained directory."""
+    """Allow custom modelling code shipped with the pretrained model (a local directory or a Hub repository)."""
 
     @field_validator("pretrained_model_name_or_path")
     @classmethod
-    def _must_be_local_directory(cls, value: str | None) -> str | None:
+    def _local_directory_or_hub_id(cls, value: str | None) -> str | None:
         if value is None:
             return None
         path = Path(value).expanduser()
@@ -51,17 +65,14 @@ class ModelConfig(StrictModel):
         if path.exists():
             raise ConfigError(
                 f"model.pretrained_model_name_or_path: {value!r} is a file; give the directory that holds "
-                "config.json and the weights."
+                "config.json and the weights, or a Hub id such as 'meta-llama/Llama-3.2-1B'."
             )
-        matching = preset_for_hub_id(value)
-        preset_hint = (
-            f" For random weights of the same shape, use `model.preset: {matching.name}`." if matching else ""
-        )
-        raise ConfigError(
-            f"model.pretrained_model_name_or_path: {value!r} is not a local directory. remat never downloads "
-            "models: fetch it yourself (for example `hf download <repo> --local-dir <dir>`) and give that "
-            f"directory.{preset_hint}"
-        )
+        if not is_hub_id(value):
+            raise ConfigError(
+                f"model.pretrained_model_name_or_path: {value!r} is neither a local directory nor a Hub id; allowed: "
+                "a directory written by `save_pretrained`, or a Hub id 'org/name' (letters, digits, '-', '_', '.')."
+            )
+        return value
 
     @field_validator("preset")
     @classmethod
@@ -80,8 +91,8 @@ class ModelConfig(StrictModel):
             return self
         if self.preset is None and self.config is None:
             raise ConfigError(
-                "model: no model source given. Set one of model.pretrained_model_name_or_path (a local directory), "
-                f"model.preset (one of: {', '.join(preset_names())}) or model.config (a transformers config "
+                "model: no model source given. Set one of model.pretrained_model_name_or_path (a local directory or "
+                f"a Hub id), model.preset (one of: {', '.join(preset_names())}) or model.config (a transformers config "
                 "mapping with model_type)."
             )
         if self.config is not None:
