@@ -32,6 +32,7 @@ def tiny_recipe(tmp_path: Path, **sections: Any) -> dict[str, Any]:
         "lr_scheduler": {"warmup_steps": 2},
         "logging": {"progress": "plain"},
         "checkpoint": {"keep_last": 3},
+        "distributed": {"device": "cpu"},  # the expectations below (tracked `mem`, its log line) are the CPU's
     }
     for name, value in sections.items():
         if isinstance(value, dict) and isinstance(recipe.get(name), dict):
@@ -182,3 +183,15 @@ def test_fused_loss_takes_the_models_softcap(tmp_path: Path) -> None:
     plain = CausalLMLoss(model, MaskedCrossEntropy(), use_hidden_states=False)
     assert fused.loss_fn.logit_softcap == 30.0
     torch.testing.assert_close(fused(batch), plain(batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpus(1)
+def test_auto_device_trains_on_the_gpu_and_logs_the_allocator_peak(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    job, result = run(tiny_recipe(tmp_path, distributed={"device": "auto"}, checkpoint={"enabled": False}))
+    out = capsys.readouterr().out
+    assert job.dist.device == torch.device("cuda", 0)
+    assert {p.device for p in job.model.parameters()} == {torch.device("cuda", 0)}
+    assert "mem: peak of the CUDA caching allocator (torch.cuda.max_memory_allocated)" in out
+    assert all(r.mem_source == "cuda" and r.mem_bytes > 0 for r in result.records)
+    assert losses(result)[-1] < losses(result)[0]
