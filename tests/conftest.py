@@ -1,6 +1,31 @@
-"""Shared test setup."""
+"""Shared test setup, and the device markers.
+
+Tests say which device they mean. CPU expectations pin the CPU (``distributed.device: cpu`` in a recipe,
+``device="cpu"`` for ``DistributedSetup.build``, models built on the CPU), so they hold on a machine with GPUs too.
+Tests of the CUDA paths carry ``@pytest.mark.gpus(n)`` (n defaults to 1): they run where at least ``n`` CUDA devices
+are visible, and are skipped with a reason that names the count otherwise.
+"""
 
 import os
 
 # Before torch is imported anywhere in the test session: see the note in remat/__init__.py.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("gpus")
+    if marker is None:
+        return
+    needed = int(marker.args[0]) if marker.args else 1
+    have = visible_gpus()
+    if have < needed:
+        pytest.skip(f"needs {needed} CUDA device{'s' if needed > 1 else ''}; this machine has {have} "
+                    "(torch.cuda.device_count())")

@@ -3,7 +3,8 @@
 Modes: ``parity`` trains every case of ``PARITY_CASES`` and records losses, gradient norms, validation and how the
 parameters are sharded, then trains with the FSDP2 options the recipe schema does not expose (deferred gradient
 reduction, bf16 mixed precision, CPU offload) through the Python API; ``resume`` trains a run straight, and the same
-run crashing after its step-4 checkpoint and resumed, for fsdp2 and ddp, and stops a run from one rank. Each rank
+run crashing after its step-4 checkpoint and resumed, for fsdp2 and ddp, and stops a run from one rank; ``nccl`` trains
+a few parity cases on 2 GPUs. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
 writes ``<mode>_rank<r>.json`` into OUT_DIR; the tests read and judge them.
 """
 
@@ -71,7 +72,7 @@ def fsdp2_options(steps: int = 3) -> dict[str, Any]:
 
     report = {}
     for name, options in FSDP2_OPTIONS.items():
-        setup = DistributedSetup.build("fsdp2", activation_checkpointing="full", **options)
+        setup = DistributedSetup.build("fsdp2", activation_checkpointing="full", device="cpu", **options)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
             "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -122,7 +123,7 @@ def tp_families() -> dict[str, list[float]]:
         model = copy.deepcopy(reference)
         expected = CausalLMLoss(reference, MaskedCrossEntropy(), use_hidden_states=False)(batch)
         expected.backward()
-        setup = DistributedSetup.build("fsdp2", tp_size=2)
+        setup = DistributedSetup.build("fsdp2", tp_size=2, device="cpu")
         root = setup.parallelize(model, root=CausalLMLoss(model, MaskedCrossEntropy(), use_hidden_states=False))
         loss = root(batch)
         loss.backward()
@@ -177,10 +178,26 @@ def stop_on_one_rank(out: Path) -> dict[str, Any]:
             "last_checkpoint": str(result.last_checkpoint)}
 
 
+#: The cases the ``nccl`` mode trains on 2 GPUs (one per rank), against a single-process run on one GPU.
+NCCL_CASES: tuple[str, ...] = ("fsdp2-full", "ddp-full")
+
+
+def nccl(out: Path) -> dict[str, Any]:
+    """``PARITY_CASES`` entries with ``distributed.device: cuda``: NCCL, one GPU per rank."""
+    report: dict[str, Any] = {}
+    for name in NCCL_CASES:
+        strategy, checkpointing, fused, tied, tp_size = PARITY_CASES[name]
+        job, result = train(tiny_recipe(out / name, strategy=strategy, checkpointing=checkpointing, fused=fused,
+                                        tied=tied, tp_size=tp_size, device="cuda"))
+        report[name] = {**curve(result), "describe": job.dist.describe(), "device": str(job.dist.device),
+                        "mem_source": [r.mem_source for r in result.records]}
+    return report
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    report = {"parity": parity, "resume": resume}[mode](out)
+    report = {"parity": parity, "resume": resume, "nccl": nccl}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

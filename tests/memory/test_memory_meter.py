@@ -12,8 +12,6 @@ from remat.errors import ConfigError
 from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter, max_over_ranks
 from remat.memory import rss as rss_module
 
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
-
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
@@ -32,16 +30,50 @@ def test_unknown_source_is_a_config_error_listing_allowed_values() -> None:
         StepMemoryMeter("gpu")  # type: ignore[arg-type]
 
 
-@no_cuda
-def test_cuda_source_without_cuda_is_a_config_error() -> None:
+def _cuda_available(monkeypatch: pytest.MonkeyPatch, available: bool) -> None:
+    """Pretend CUDA is (or is not) available: only the source choice is tested with it, nothing runs on CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+
+
+def test_cuda_source_without_cuda_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cuda_available(monkeypatch, False)
     with pytest.raises(ConfigError, match=r"got 'cuda' but torch.cuda.is_available\(\) is False"):
         StepMemoryMeter("cuda")
 
 
-@no_cuda
-def test_auto_is_tracked_on_the_cpu() -> None:
+def test_auto_is_tracked_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cuda_available(monkeypatch, False)
     assert StepMemoryMeter().source == "tracked"
     assert StepMemoryMeter(device="cpu").source == "tracked"
+
+
+def test_auto_follows_the_model_or_device_when_cuda_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cuda_available(monkeypatch, True)
+    assert StepMemoryMeter().source == "cuda"  # nothing says where the step runs: the GPU
+    assert StepMemoryMeter(device="cpu").source == "tracked"
+    assert StepMemoryMeter(model=nn.Linear(2, 2)).source == "tracked"  # a CPU model is measured on the CPU
+    with pytest.raises(ConfigError, match=r"got 'cuda' for a model on cpu"):
+        StepMemoryMeter("cuda", model=nn.Linear(2, 2))
+
+
+@pytest.mark.gpus(1)
+def test_cuda_reading_is_the_allocator_peak_of_the_step() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = nn.Linear(1024, 1024, device=device)
+    meter = StepMemoryMeter(model=model)
+    assert meter.source == "cuda"
+    size = 256 * 2**20
+    held = torch.cuda.memory_allocated(device)
+    with meter.step():
+        big = torch.empty(size // 4, device=device)
+        del big
+    reading = meter.last
+    assert reading.source == "cuda" and reading.description == "CUDA allocator peak (max_memory_allocated)"
+    assert reading.peak_bytes == torch.cuda.max_memory_allocated(device)
+    assert held + size <= reading.peak_bytes < held + size + 2**20
+    with meter.step():  # the peak is reset per step
+        pass
+    assert meter.last.peak_bytes == torch.cuda.memory_allocated(device) < reading.peak_bytes
 
 
 def test_tracked_reading_is_the_whole_step_peak_including_optimizer_state() -> None:

@@ -76,6 +76,7 @@ CASES = [
     ("peft-method", with_("peft", {"method": "qlora"}), ["peft.method", "'qlora'", "'lora'"]),
     ("keep-last", with_("checkpoint.keep_last", -1), ["checkpoint.keep_last", "greater than 0"]),
     ("logging-memory", with_("logging.memory", "gpu"), ["logging.memory", "'gpu'", "'tracked'"]),
+    ("distributed-device", with_("distributed.device", "gpu"), ["distributed.device", "'gpu'", "'auto', 'cpu' or 'cuda'"]),
     ("tokenizer-vocab", with_("tokenizer.vocab_size", 10), ["tokenizer.vocab_size", "between 512 and 65536"]),
     ("seed-type", with_("seed", "abc"), ["seed", "'abc'"]),
     ("dp-size-single", with_("distributed.dp_size", 2), ["distributed.dp_size: 2 needs strategy 'ddp' or 'fsdp2'"]),

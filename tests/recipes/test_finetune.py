@@ -32,6 +32,7 @@ def tiny_recipe(tmp_path: Path, **sections: Any) -> dict[str, Any]:
         "lr_scheduler": {"warmup_steps": 2},
         "logging": {"progress": "plain"},
         "checkpoint": {"keep_last": 3},
+        "distributed": {"device": "cpu"},  # the expectations below (tracked `mem`, its log line) are the CPU's
     }
     for name, value in sections.items():
         if isinstance(value, dict) and isinstance(recipe.get(name), dict):
@@ -206,3 +207,15 @@ def test_a_diverged_step_stops_the_run_and_saves_nothing(tmp_path: Path) -> None
         run(recipe, callbacks=[poison])
     # Nothing new was saved from the broken weights, and the good checkpoint was not pruned.
     assert sorted(p.name for p in good.checkpoint_dir.iterdir()) == saved
+
+
+@pytest.mark.gpus(1)
+def test_auto_device_trains_on_the_gpu_and_logs_the_allocator_peak(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    job, result = run(tiny_recipe(tmp_path, distributed={"device": "auto"}, checkpoint={"enabled": False}))
+    out = capsys.readouterr().out
+    assert job.dist.device == torch.device("cuda", 0)
+    assert {p.device for p in job.model.parameters()} == {torch.device("cuda", 0)}
+    assert "mem: peak of the CUDA caching allocator (torch.cuda.max_memory_allocated)" in out
+    assert all(r.mem_source == "cuda" and r.mem_bytes > 0 for r in result.records)
+    assert losses(result)[-1] < losses(result)[0]

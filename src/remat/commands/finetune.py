@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
-    from remat.distributed.env import ProcessEnv
+    from remat.distributed.env import ProcessEnv, check_cuda_devices
     from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
     from remat.recipes.loader import load_recipe
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
             check_parallel_layout(cfg, world_size)
+        if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
+            check_cuda_devices(int(options.nproc_per_node or "1"))
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
         return launch(options, worker)
     if ProcessEnv.from_environ().rank != 0:  # only rank 0 reports; the others say only what goes wrong

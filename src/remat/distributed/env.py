@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from remat.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 #: Variables torchrun sets in each worker; all of them present means "running under torchrun".
@@ -54,11 +56,51 @@ def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     return all(name in env for name in TORCHRUN_VARIABLES)
 
 
-def default_device(local_rank: int) -> torch.device:
-    """The device of a worker: CUDA device ``local_rank`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+#: Values of ``distributed.device``: ``auto`` picks CUDA when every local rank can have a GPU of its own.
+DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+
+
+def resolve_device(choice: str | torch.device | None, env: ProcessEnv) -> torch.device:
+    """The device of this worker for ``distributed.device``.
+
+    ``auto`` (or None): CUDA device ``local_rank`` when CUDA is available and the node has at least one GPU per local
+    rank; otherwise the CPU, with a warning when GPUs exist but are too few (two ranks on one GPU would make NCCL
+    fail). ``cpu``: the CPU, GPUs or not. ``cuda``: CUDA device ``local_rank``; a ConfigError when CUDA is not
+    available or the node has fewer GPUs than local ranks. A ``torch.device`` (or a string such as ``"cuda:1"``) is
+    used as it is.
+    """
+    if isinstance(choice, torch.device):
+        return choice
+    if choice in (None, "auto"):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus >= env.local_world_size:
+            return torch.device("cuda", env.local_rank)
+        if gpus:
+            logger.warning("distributed.device auto: %d local ranks but %d CUDA device%s; running on the CPU (gloo). "
+                           "Start at most %d processes per node to use the GPUs", env.local_world_size, gpus,
+                           "" if gpus == 1 else "s", gpus)
+        return torch.device("cpu")
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "cuda":
+        check_cuda_devices(env.local_world_size)
+        return torch.device("cuda", env.local_rank)
+    try:
+        return torch.device(choice)
+    except RuntimeError as err:
+        raise ConfigError(f"distributed.device: got {choice!r}; allowed: {', '.join(DEVICE_CHOICES)}") from err
+
+
+def check_cuda_devices(local_ranks: int) -> None:
+    """ConfigError (naming ``distributed.device``) unless CUDA is available with a GPU for each of ``local_ranks``."""
+    if not torch.cuda.is_available():
+        raise ConfigError("distributed.device: 'cuda' but torch.cuda.is_available() is False; allowed here: auto, "
+                          "cpu")
+    gpus = torch.cuda.device_count()
+    if gpus < local_ranks:
+        raise ConfigError(f"distributed.device: 'cuda' with {local_ranks} processes per node, but this node has "
+                          f"{gpus} CUDA device{'' if gpus == 1 else 's'}; allowed: at most {gpus} processes per node "
+                          "on cuda, or device cpu (gloo)")
 
 
 def backend_for(device: torch.device) -> str:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy
-from remat.distributed.env import ProcessEnv, default_device, init_process_group
+from remat.distributed.env import DEVICE_CHOICES, ProcessEnv, init_process_group, resolve_device
 from remat.errors import CheckpointingError, ConfigError
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class DistributedSetup:
         cpu_offload: bool = False,
         *,
         fsdp_reduce_every_micro_batch: bool = True,
-        device: str | torch.device | None = None,
+        device: str | torch.device | None = "auto",
     ) -> DistributedSetup:
         """Validate the settings against the environment (torchrun's ``WORLD_SIZE``), join the process group and
         lay out the device mesh.
@@ -88,11 +88,14 @@ class DistributedSetup:
         ``fsdp_reduce_every_micro_batch``: FSDP2 reduce-scatters the gradients after every micro-batch (only sharded
         gradients are kept); False defers it to the last micro-batch of a step (less communication, but the
         unsharded gradients are held in between). DDP always synchronises on the last micro-batch only.
+        ``device``: ``auto`` (CUDA device ``LOCAL_RANK`` when there is a GPU per local rank, else the CPU), ``cpu``,
+        ``cuda`` (an error when there are fewer GPUs than local ranks), or a ``torch.device``. The process group's
+        backend follows it: NCCL on CUDA, gloo on the CPU.
         """
         env = ProcessEnv.from_environ()
         dp = validate_settings(strategy, activation_checkpointing, dp_size, tp_size, cp_size, mixed_precision,
-                               cpu_offload, fsdp_reduce_every_micro_batch, world_size=env.world_size)
-        resolved = torch.device(device) if device is not None else default_device(env.local_rank)
+                               cpu_offload, fsdp_reduce_every_micro_batch, device, world_size=env.world_size)
+        resolved = resolve_device(device, env)
         setup = cls(strategy=strategy, activation_checkpointing=activation_checkpointing, dp_size=dp,
                     tp_size=tp_size, cp_size=cp_size, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                     fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch, rank=env.rank,
@@ -291,8 +294,8 @@ class DistributedSetup:
 
 def validate_settings(strategy: str = "single", activation_checkpointing: Any = False, dp_size: int | None = None,
                       tp_size: int = 1, cp_size: int = 1, mixed_precision: str | None = None,
-                      cpu_offload: bool = False, fsdp_reduce_every_micro_batch: bool = True, *,
-                      world_size: int) -> int:
+                      cpu_offload: bool = False, fsdp_reduce_every_micro_batch: bool = True,
+                      device: str | torch.device | None = "auto", *, world_size: int) -> int:
     """Check the settings of ``build`` (the recipe's ``distributed`` section) against ``world_size`` processes
     (ConfigError naming the key); return the data-parallel size. ``build`` calls it, and so does the launcher
     before any worker starts."""
@@ -305,6 +308,9 @@ def validate_settings(strategy: str = "single", activation_checkpointing: Any = 
     for name, flag in (("cpu_offload", cpu_offload), ("fsdp_reduce_every_micro_batch", fsdp_reduce_every_micro_batch)):
         if not isinstance(flag, bool):
             raise ConfigError(f"distributed.{name}: got {flag!r}; allowed: true or false")
+    if not (device is None or isinstance(device, torch.device) or device in DEVICE_CHOICES
+            or (isinstance(device, str) and device.startswith(("cuda:", "cpu:")))):
+        raise ConfigError(f"distributed.device: got {device!r}; allowed: {', '.join(DEVICE_CHOICES)}")
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
         raise ConfigError(f"distributed.mixed_precision: got {mixed_precision!r}; allowed: null, "
                           f"{', '.join(MIXED_PRECISION)}")

@@ -92,10 +92,13 @@ class DistributedConfig(StrictModel):
     Every key is an argument of ``remat.DistributedSetup.build``. ``mixed_precision`` and ``cpu_offload`` apply to
     FSDP2 (its ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy``); ``fsdp_reduce_every_micro_batch: false`` defers
     FSDP2's gradient reduce-scatter to the last micro-batch of a step (less communication, unsharded gradients held
-    during accumulation).
+    during accumulation). ``device``: ``auto`` trains on CUDA device ``LOCAL_RANK`` when the node has a GPU per
+    process (else on the CPU, with a warning if there are GPUs, but too few), ``cpu`` on the CPU (gloo), ``cuda`` on the
+    GPUs (NCCL; an error when there are fewer GPUs than processes per node).
     """
 
     strategy: Literal["single", "ddp", "fsdp2"] = "single"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: ActivationCheckpointingValue = False
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
