@@ -33,7 +33,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,17 +54,41 @@ POLICIES = ("none", "selective", "full")
 LOSSES = ("plain", "fused")
 
 
-def measure(model_name: str, settings: StepSettings, device: torch.device) -> dict[str, int]:
-    """Run two steps of ``settings`` on ``device``; the figures of the second one (CUDA statistics on a GPU, the
-    exact tracked peak on the CPU)."""
+class RealStep(NamedTuple):
+    """The pieces of one training step built on a real device, as the simulation builds them on fake tensors."""
+
+    net: torch.nn.Module
+    root: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: dict[str, torch.Tensor]
+    params: list[torch.nn.Parameter]
+    settings: StepSettings
+    plan: str | None
+    """The checkpointing plan's summary (None when nothing is checkpointed)."""
+
+    def run(self) -> None:
+        """One fwd + bwd + clip + optimizer step (`remat.memory.simulate.training_step`)."""
+        training_step(self.root, self.optimizer, self.batch, self.settings, self.params)
+
+
+def build_step(model_name: str, settings: StepSettings, device: torch.device) -> RealStep:
+    """Model (seeded weights), checkpointing and loss wrapper, optimizer and batch of ``settings`` on ``device``."""
     cfg = model_config_for(resolve_model(model_name), settings)
     torch.manual_seed(0)
     net = build_model(cfg, vocab_size=settings.vocab_size, device=device)
-    root, _, _ = parallelize(net, settings, device=device)
+    root, _, plan = parallelize(net, settings, device=device)
     params = [p for p in root.parameters() if p.requires_grad]
     optimizer = build_optimizer(settings, params)
     batch = {k: v.to(device) for k, v in make_batch(settings, net.config.get_text_config().vocab_size).items()}
-    training_step(root, optimizer, batch, settings, params)
+    return RealStep(net, root, optimizer, batch, params, settings, plan)
+
+
+def measure(model_name: str, settings: StepSettings, device: torch.device) -> dict[str, int]:
+    """Run two steps of ``settings`` on ``device``; the figures of the second one (CUDA statistics on a GPU, the
+    exact tracked peak on the CPU)."""
+    step = build_step(model_name, settings, device)
+    root, optimizer, batch, params = step.root, step.optimizer, step.batch, step.params
+    step.run()
     if device.type == "cpu":
         with LiveTensorTracker(module=root, optimizer=optimizer) as tracker:
             before = tracker.current_bytes
@@ -78,7 +102,7 @@ def measure(model_name: str, settings: StepSettings, device: torch.device) -> di
     torch.cuda.synchronize()
     figures = {"max_memory_allocated": torch.cuda.max_memory_allocated(), "allocated_before_step": before,
                "max_memory_reserved": torch.cuda.max_memory_reserved()}
-    del net, root, params, optimizer, batch
+    del step, root, params, optimizer, batch
     gc.collect()
     torch.cuda.empty_cache()
     return figures

@@ -105,12 +105,24 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     return model.train()
 
 
+def enable_hf_checkpointing(model: nn.Module) -> str:
+    """transformers' own checkpointing of every decoder layer (non-reentrant): ``activation_checkpointing_enable``
+    where this transformers has it, else ``gradient_checkpointing_enable``; returns the plan in words."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable()
+        name = "activation_checkpointing_enable()"
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        name = "gradient_checkpointing_enable()"
+    model.config.use_cache = False
+    return f"transformers {name}: every decoder layer (non-reentrant), input embeddings require grad"
+
+
 def prepare(label: str, policy: Any, base: nn.Module) -> Candidate:
     model = copy.deepcopy(base)
     if policy is None:
-        model.activation_checkpointing_enable()
-        model.config.use_cache = False
-        plan = "every decoder layer (non-reentrant), input embeddings require grad"
+        plan = enable_hf_checkpointing(model)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

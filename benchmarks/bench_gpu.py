@@ -1,0 +1,274 @@
+"""On a CUDA GPU: every checkpointing policy side by side, with the plain and the fused loss, at the seed shape.
+
+Rows (one process, one after the other, each from the same seeded weights): remat's policies (``bench_policies.
+POLICIES``: none, full, selective, attention, mlp, every 2 layers, sqrt, offload), transformers' own checkpointing
+(``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` on older transformers) and torch's public
+selective checkpointing (``create_selective_checkpoint_contexts`` around each decoder layer, with an op list like
+TorchTitan's: save matmuls except every second one, attention and max, recompute the rest). Each row runs with remat's
+plain loss (``MaskedCrossEntropy`` on logits) and with its fused loss (``FusedLinearCrossEntropy``).
+
+The step is the recipe's (`remat.memory.simulate.training_step`: forward, backward, clipping, AdamW), built by
+``bench_estimate_cuda.build_step`` from a remat preset. Per row: ``--warmup`` steps, then one step between
+``reset_peak_memory_stats`` and ``max_memory_allocated`` (the peak), then ``--steps`` timed steps (each between
+``torch.cuda.synchronize`` calls): median step time and tokens/s. A row that is refused (an error naming why) or runs
+out of memory is recorded as such and the others go on.
+
+Writes ``benchmarks/results/gpu_policies_<device>.{md,json}`` naming the device and the torch version. Without a CUDA
+device it says so and exits with status 2. ``--check-on-cpu`` runs the same code on the CPU with a tiny preset (peak
+from the exact live-tensor tracker) so the test suite can keep it working.
+
+    python benchmarks/bench_gpu.py                                        # llama-3.2-1b, 8 x 2048, bf16, AdamW
+    python benchmarks/bench_gpu.py --batch 2 --seq 1024 --preset qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark modules, however this is started
+from bench_estimate_cuda import RealStep, build_step  # noqa: E402
+from bench_policies import POLICIES, enable_hf_checkpointing  # noqa: E402
+
+from remat.errors import CheckpointingError, ConfigError  # noqa: E402
+from remat.memory import LiveTensorTracker  # noqa: E402
+from remat.memory.simulate import StepSettings  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TORCH_SAC = "torch-sac"
+TORCH_SAC_ROW = "torch create_selective_checkpoint_contexts (TorchTitan-like ops)"
+#: (label, what to apply): a remat policy, None for transformers' checkpointing, TORCH_SAC for torch's.
+ROWS: tuple[tuple[str, Any], ...] = (*POLICIES, (TORCH_SAC_ROW, TORCH_SAC))
+LOSSES = ("plain", "fused")
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class Result:
+    """One row x loss: what ran and what it measured (``error`` set instead when it could not run)."""
+
+    label: str
+    loss: str
+    plan: str = ""
+    peak_bytes: int | None = None
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    tokens_per_step: int = 0
+    error: str | None = None
+
+    @property
+    def median_seconds(self) -> float | None:
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        median = self.median_seconds
+        return self.tokens_per_step / median if median else None
+
+
+def _torch_selective_context() -> Any:
+    """Fresh selective-checkpoint contexts for one checkpointed call: matmuls saved except every second one (counted
+    separately in forward and in recompute, so both make the same choices), attention kernels and max saved."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "max")
+    save = {getattr(aten, name).default for name in names if hasattr(aten, name)} | {aten.mm.default}
+    matmuls = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op == aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def enable_torch_selective(model: nn.Module) -> str:
+    """Wrap every decoder layer of a transformers model in a non-reentrant checkpoint with torch's selective
+    contexts (as TorchTitan does); returns the plan in words."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.get_decoder().layers
+    for index, layer in enumerate(layers):
+        layers[index] = checkpoint_wrapper(layer, context_fn=_torch_selective_context)
+    return f"torch selective checkpointing of {len(layers)} decoder layers (save mm except every 2nd, attention, max)"
+
+
+def _plan(step: RealStep, what: Any) -> str:
+    if what is None:
+        return enable_hf_checkpointing(step.net)
+    if what == TORCH_SAC:
+        return enable_torch_selective(step.net)
+    return f"remat {what!r}: {step.plan or 'nothing checkpointed'}"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak(step: RealStep, device: torch.device) -> int:
+    """The peak of one step: the CUDA allocator's, or the exact tracked peak on the CPU."""
+    if device.type == "cpu":
+        with LiveTensorTracker(module=step.root, optimizer=step.optimizer) as tracker:
+            step.run()
+        return tracker.peak_bytes
+    _synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step.run()
+    _synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: torch.device) -> Result:
+    """Build the step of one row, warm up, measure the peak, then time ``args.steps`` steps."""
+    result = Result(label=label, loss=loss, tokens_per_step=args.batch * args.seq)
+    remat_policy = "none" if what is None or what == TORCH_SAC else what
+    settings = StepSettings(batch_size=args.batch, seq_length=args.seq, dtype=args.dtype, policy=remat_policy,
+                            loss=loss, target=device.type)
+    step: RealStep | None = None
+    try:
+        step = build_step(args.preset, settings, device)
+        result.plan = _plan(step, what)
+        for _ in range(args.warmup):
+            step.run()
+        result.peak_bytes = _peak(step, device)
+        for _ in range(args.steps):
+            _synchronize(device)
+            start = time.perf_counter()
+            step.run()
+            _synchronize(device)
+            result.step_seconds.append(time.perf_counter() - start)
+    except (torch.cuda.OutOfMemoryError, CheckpointingError, ConfigError) as err:
+        result.error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        result.step_seconds.clear()
+    finally:
+        del step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def run(args: argparse.Namespace, device: torch.device,
+        report: Callable[[Result], None] = lambda r: None) -> list[Result]:
+    """Every row with every loss, one after the other."""
+    results = []
+    for label, what in ROWS:
+        for loss in LOSSES:
+            results.append(measure(label, what, loss, args, device))
+            report(results[-1])
+    return results
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_markdown(results: Sequence[Result], meta: dict[str, Any]) -> str:
+    """The side-by-side table; ratios are to ``none`` with the same loss."""
+    base = {r.loss: r for r in results if r.label == "none"}
+    lines = [f"# Checkpointing policies on {meta['device']}", "",
+             f"- {meta['preset']}, batch {meta['batch']} x seq {meta['seq']}, {meta['dtype']}, AdamW; torch "
+             f"{meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}; {meta['date']}",
+             f"- peak = `max_memory_allocated` of one step after {meta['warmup']} warm-up steps; step time = median of "
+             f"{meta['steps']} steps (synchronised); ratios are to `none` with the same loss",
+             "- command: `python benchmarks/bench_gpu.py " + " ".join(meta["argv"]) + "`", "",
+             "| row | loss | peak GiB | vs none | median step s | vs none | tokens/s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ref = base.get(r.loss)
+        if r.error is not None:
+            lines.append(f"| {r.label} | {r.loss} | {r.error} | | | | |")
+            continue
+        peak_ratio = r.peak_bytes / ref.peak_bytes if ref is not None and ref.peak_bytes else None
+        time_ratio = (r.median_seconds / ref.median_seconds if ref is not None and ref.median_seconds
+                      and r.median_seconds else None)
+        lines.append(f"| {r.label} | {r.loss} | {_fmt(r.peak_bytes / GIB if r.peak_bytes else None, '.2f')} | "
+                     f"{_fmt(peak_ratio, '.2f')} | {_fmt(r.median_seconds, '.3f')} | {_fmt(time_ratio, '.2f')} | "
+                     f"{_fmt(r.tokens_per_second, ',.0f')} |")
+    lines += ["", "Plans:", ""]
+    lines += [f"- `{r.label}` ({r.loss}): {r.plan}" for r in results if r.loss == LOSSES[0]]
+    return "\n".join(lines) + "\n"
+
+
+def write(results: Sequence[Result], meta: dict[str, Any], out: Path) -> Path:
+    """``gpu_policies_<device>.md`` and ``.json`` in ``out``; returns the markdown's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "_" for c in meta["device"].lower()).strip("_")
+    stem = out / f"gpu_policies_{slug}"
+    rows = [dataclasses.asdict(r) | {"median_seconds": r.median_seconds, "tokens_per_second": r.tokens_per_second}
+            for r in results]
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(render_markdown(results, meta))
+    return stem.with_suffix(".md")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=None, help="remat model preset (default llama-3.2-1b; tiny-llama with "
+                                                        "--check-on-cpu)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (default 8; 2 with --check-on-cpu)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default 2048; 64 with --check-on-cpu)")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                        help="parameter dtype (default bfloat16; float32 with --check-on-cpu)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before measuring")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--check-on-cpu", action="store_true",
+                        help="run the same code on the CPU with a tiny preset (for the test suite)")
+    args = parser.parse_args(argv)
+    cpu = args.check_on_cpu
+    for name, gpu_default, cpu_default in (("preset", "llama-3.2-1b", "tiny-llama"), ("batch", 8, 2),
+                                           ("seq", 2048, 64), ("dtype", "bfloat16", "float32")):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu_default if cpu else gpu_default)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.check_on_cpu and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False); this benchmark measures on a "
+              "GPU. Nothing was run (--check-on-cpu runs the same code on the CPU).", file=sys.stderr)
+        return 2
+    device = torch.device("cpu") if args.check_on_cpu else torch.device("cuda", torch.cuda.current_device())
+    import transformers
+
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "preset": args.preset, "batch": args.batch, "seq": args.seq,
+            "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps,
+            "argv": list(argv if argv is not None else sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+    def report(r: Result) -> None:
+        figures = r.error or (f"peak {(r.peak_bytes or 0) / GIB:.2f} GiB, median {r.median_seconds:.3f} s, "
+                              f"{r.tokens_per_second:,.0f} tokens/s")
+        print(f"{r.label} + {r.loss}: {figures}", file=sys.stderr, flush=True)
+
+    results = run(args, device, report)
+    path = write(results, meta, args.out)
+    print(path.read_text())
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""benchmarks/bench_gpu.py measures on a GPU; its --check-on-cpu mode runs the same code on the CPU, which keeps the
+script working where no GPU is lent. Here: every row and loss runs, the peaks order as checkpointing says, and the
+results name the device and the torch version."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
+
+
+def _bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ on it
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_check_on_cpu_runs_every_row_with_both_losses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench(monkeypatch)
+    assert bench.main(["--check-on-cpu", "--batch", "4", "--seq", "256", "--warmup", "0", "--steps", "1",
+                       "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("gpu_policies_*.json")
+    data = json.loads(json_path.read_text())
+    assert data["meta"]["torch"] == torch.__version__ and data["meta"]["device"].startswith("CPU")
+    rows = {(row["label"], row["loss"]): row for row in data["rows"]}
+    assert list(rows) == [(label, loss) for label, _ in bench.ROWS for loss in bench.LOSSES]
+    assert all(row["error"] is None and len(row["step_seconds"]) == 1 for row in rows.values()), rows
+    peak = {key: row["peak_bytes"] for key, row in rows.items()}
+    for loss in bench.LOSSES:
+        assert peak[("none", loss)] > peak[("selective", loss)] > peak[("full", loss)]
+        assert peak[(bench.POLICIES[-1][0], loss)] == peak[("full", loss)]  # transformers' own = remat full
+        assert peak[("none", loss)] > peak[(bench.TORCH_SAC_ROW, loss)] > peak[("full", loss)]
+    assert peak[("none", "plain")] > peak[("none", "fused")]
+    markdown = json_path.with_suffix(".md").read_text()
+    assert data["meta"]["device"] in markdown and torch.__version__ in markdown and "| none | fused |" in markdown
+
+
+def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
