@@ -83,11 +83,9 @@ def offline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any
            "REMAT_CACHE_DIR": str(root / "remat-cache"), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
                [str(Path(__file__).resolve().parents[2] / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("HF_TOKEN", None)
-    os.environ["REMAT_CACHE_DIR"] = env["REMAT_CACHE_DIR"]  # the builtin tokenizer this process trains
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("REMAT_CACHE_DIR", env["REMAT_CACHE_DIR"])  # where this process trains the builtin tokenizer
         weights = _populate_hub_cache(root / "hub")
-    finally:
-        os.environ.pop("REMAT_CACHE_DIR")
     recipe = _recipe(root / "recipe.yaml", REPO, root / "run")
     missing = _recipe(root / "missing.yaml", "tiny-org/not-cached", root / "run-missing")
     out = root / "report.json"
