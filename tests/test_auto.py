@@ -131,6 +131,10 @@ def test_checkpointing_is_applied_once(checkpoint_dir: Path) -> None:
      "from_config: unexpected keyword argument(s) revision; allowed: dtype"),
     (lambda: remat.AutoModelForCausalLM.from_config(AutoConfig.for_model("vit")),
      "config: ViTConfig has no causal-LM class"),
+    (lambda: remat.AutoModelForCausalLM.from_config(remat.ModelConfig(preset="tiny-llama"), dtype="int8"),
+     "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'int8')"),
+    (lambda: remat.AutoModelForCausalLM.from_pretrained("tiny-llama", num_hiden_layers=2),
+     "model.config.num_hiden_layers: LlamaConfig ('llama') has no such field"),
     (lambda: remat.AutoModelForCausalLM.from_config(["llama"]),  # type: ignore[arg-type]
      "from_config: config must be a transformers PretrainedConfig, a mapping"),
 ])

@@ -105,7 +105,7 @@ class AutoModelForCausalLM:
                                       attn_implementation=cfg.attn_implementation,
                                       trust_remote_code=cfg.trust_remote_code)
         elif isinstance(config, ModelConfig):
-            model = build_model(config.model_copy(update=fields) if fields else config, device=device)
+            model = build_model(_model_config(fields, **config.model_dump(exclude=set(fields))), device=device)
         elif isinstance(config, Mapping):
             model = build_model(_model_config(fields, config=dict(config)), device=device)
         else:

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from remat.errors import ConfigError
-from remat.models import ModelConfig, build_model, is_hub_id
+from remat.hub import is_hub_id
+from remat.models import ModelConfig, build_model
 
 
 def _error_of(**fields: object) -> str:

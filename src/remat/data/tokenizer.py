@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from remat.data.config import TokenizerConfig
 from remat.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from remat.errors import ConfigError
+from remat.hub import hub_load_error, hub_model_available
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ CHAT_TEMPLATE = (
 
 # Bump when the way the builtin tokenizer is trained or saved changes, so old caches are not reused.
 _BUILTIN_RECIPE_VERSION = 2
+_MODEL_KEY = "model.pretrained_model_name_or_path"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -156,10 +158,13 @@ def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path") -> PreTr
 
 def _hub_tokenizer(hub_id: str) -> PreTrainedTokenizerBase | None:
     """The tokenizer of the Hub model `hub_id`, resolved as transformers does (the HF cache when offline); None,
-    said in a warning, when the repository has none that loads."""
+    said in a warning, when the repository has none that loads. A repository that cannot be reached at all is a
+    ConfigError naming the model key (the model could not be loaded either)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(hub_id)
     except (OSError, ValueError) as exc:
+        if not hub_model_available(hub_id):
+            raise hub_load_error(_MODEL_KEY, hub_id, "load the tokenizer", exc) from exc
         reason = " ".join(str(exc).split())
         logger.warning("no tokenizer loads for the Hub model %s (%s); using the builtin tokenizer (set "
                        "tokenizer.path to choose one)", hub_id, reason)
@@ -176,7 +181,7 @@ def build_tokenizer(cfg: TokenizerConfig, model_path: str | None = None) -> PreT
         return load_tokenizer_from_path(cfg.path)
     if model_path is not None and has_tokenizer_files(Path(model_path).expanduser()):
         logger.info("loading the tokenizer from the model directory %s", model_path)
-        return load_tokenizer_from_path(model_path, key="model.pretrained_model_name_or_path")
+        return load_tokenizer_from_path(model_path, key=_MODEL_KEY)
     if model_path is not None and not Path(model_path).expanduser().exists():
         hub_tokenizer = _hub_tokenizer(model_path)
         if hub_tokenizer is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from remat.models.build import build_model, count_parameters, model_from_config, resolve_model_config
 from remat.models.catalog import PresetSummary, presets_markdown_table, summarize_presets
-from remat.models.config import ModelConfig, is_hub_id
+from remat.models.config import ModelConfig
 from remat.models.presets import PRESETS, ModelPreset, get_preset, preset_names
 
 __all__ = [
@@ -16,7 +16,6 @@ __all__ = [
     "build_model",
     "count_parameters",
     "get_preset",
-    "is_hub_id",
     "model_from_config",
     "preset_names",
     "presets_markdown_table",

@@ -27,6 +27,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from remat.errors import ConfigError
+from remat.hub import hub_load_error
 from remat.models.config import ModelConfig
 from remat.models.presets import get_preset, preset_for_hub_id
 
@@ -229,19 +230,12 @@ def _load_pretrained(
 
 def _load_error(path: str, local: bool, action: str, err: Exception) -> ConfigError:
     """One line saying what could not be loaded from where; for a Hub id, what to do about it."""
-    reason = " ".join(str(err).split())  # transformers' and huggingface_hub's messages span several lines
-    if local:
-        return ConfigError(f"{_PRETRAINED_KEY}: cannot {action} from {path!r}: {reason}")
-    from huggingface_hub import constants
-
-    where = f"the Hugging Face cache ({constants.HF_HUB_CACHE})"
-    if constants.is_offline_mode():
-        hint = f"HF_HUB_OFFLINE is set and {path!r} is not in {where}: download it while online (`hf download {path}`)"
-    else:
-        hint = f"check the id, your network and, for gated models, your token (`hf auth login`); cache: {where}"
-    matching = preset_for_hub_id(path)
-    preset = f"; for random weights of the same shape use `model.preset: {matching.name}`" if matching else ""
-    return ConfigError(f"{_PRETRAINED_KEY}: cannot {action} for the Hub id {path!r} ({hint}{preset}): {reason}")
+    if not local:
+        matching = preset_for_hub_id(path)
+        hint = f"; for random weights of the same shape use `model.preset: {matching.name}`" if matching else ""
+        return hub_load_error(_PRETRAINED_KEY, path, action, err, hint)
+    reason = " ".join(str(err).split())  # transformers' messages span several lines
+    return ConfigError(f"{_PRETRAINED_KEY}: cannot {action} from {path!r}: {reason}")
 
 
 def _grow_vocabulary(model: PreTrainedModel, vocab_size: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,22 +9,12 @@ from pydantic import field_validator, model_validator
 
 from remat.config_base import StrictModel
 from remat.errors import ConfigError
+from remat.hub import is_hub_id
 from remat.models.presets import get_preset, preset_names
 
 ParamDtype = Literal["float32", "bfloat16", "float16"]
 AutocastDtype = Literal["bfloat16", "float16"]
 ModelSource = Literal["pretrained", "preset", "config"]
-
-# A Hub repository id as huggingface_hub accepts one: "name" or "org/name", each part up to 96 characters of letters,
-# digits, "-", "_" and ".", neither starting nor ending with "-" or "." and with no "--" or "..".
-_HUB_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
-_HUB_ID = re.compile(rf"{_HUB_PART}(?:/{_HUB_PART})?")
-
-
-def is_hub_id(value: str) -> bool:
-    """Whether `value` is shaped like a Hugging Face Hub repository id ("org/name" or "name"); nothing is looked up."""
-    return _HUB_ID.fullmatch(value) is not None
-
 
 class ModelConfig(StrictModel):
     """Which causal LM to train: pretrained weights (a local directory or a Hub id), a named shape preset, or a

@@ -1,0 +1,43 @@
+"""Hugging Face Hub ids: what one looks like, whether its repository can be reached (online, or in the HF cache when
+offline), and the one-line error when it cannot. Resolution itself is transformers' (``from_pretrained``)."""
+
+from __future__ import annotations
+
+import re
+
+from remat.errors import ConfigError
+
+# A Hub repository id as huggingface_hub accepts one: "name" or "org/name", each part up to 96 characters of letters,
+# digits, "-", "_" and ".", neither starting nor ending with "-" or "." and with no "--" or "..".
+_HUB_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"{_HUB_PART}(?:/{_HUB_PART})?")
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether `value` is shaped like a Hugging Face Hub repository id ("org/name" or "name"); nothing is looked up."""
+    return _HUB_ID.fullmatch(value) is not None
+
+
+def hub_model_available(hub_id: str) -> bool:
+    """Whether the model repository `hub_id` resolves: its config.json downloads, or is in the HF cache offline."""
+    from transformers.utils import cached_file
+
+    try:
+        cached_file(hub_id, "config.json")
+    except OSError:
+        return False
+    return True
+
+
+def hub_load_error(key: str, hub_id: str, action: str, err: Exception, hint: str = "") -> ConfigError:
+    """One line: ``KEY: cannot ACTION for the Hub id ID (what to do; HINT): REASON``."""
+    from huggingface_hub import constants
+
+    where = f"the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.is_offline_mode():
+        advice = f"HF_HUB_OFFLINE is set and {hub_id!r} is not in {where}: download it while online (`hf download " \
+                 f"{hub_id}`)"
+    else:
+        advice = f"check the id, your network and, for gated models, your token (`hf auth login`); cache: {where}"
+    reason = " ".join(str(err).split())  # transformers' and huggingface_hub's messages span several lines
+    return ConfigError(f"{key}: cannot {action} for the Hub id {hub_id!r} ({advice}{hint}): {reason}")
