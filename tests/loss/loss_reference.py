@@ -38,6 +38,19 @@ def reference_loss(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor 
     return reference_loss_from_logits(logits, labels, ignore_index, reduction, num_label_tokens)
 
 
+def plain_head_loss(labels: Tensor, softcap: float | None = None):
+    """The unfused loss in the inputs' own dtype, as a model computes it: ``f(hidden, weight, bias) -> loss``."""
+    from remat.loss import MaskedCrossEntropy
+
+    def plain(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        logits = F.linear(hidden, weight, bias)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return MaskedCrossEntropy()(logits, labels)
+
+    return plain
+
+
 def loss_and_grads(loss_fn, tensors: list[Tensor], *args, **kwargs) -> tuple[Tensor, list[Tensor | None]]:
     """Run ``loss_fn(*tensors, *args, **kwargs)`` on fresh leaf copies; return the loss and the leaves' grads."""
     leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in tensors]

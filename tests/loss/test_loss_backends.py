@@ -11,10 +11,11 @@ import torch
 from loss_reference import reference_loss
 
 from remat.errors import ConfigError
-from remat.loss import FusedLinearCrossEntropy, backends, select_backend
+from remat.loss import FusedLinearCrossEntropy, KernelRequest, backends, select_backend
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
+BF16 = KernelRequest(torch.bfloat16, bias=False, softcap=None, hidden_needs_grad=True)
 
 
 class FakeKernel:
@@ -91,7 +92,7 @@ def test_a_package_that_fails_to_import_counts_as_absent(installed, monkeypatch)
 @pytest.mark.parametrize("name", ["cce", "liger"])
 def test_the_fused_loss_hands_shifted_targets_to_the_kernel_and_divides_its_sum(installed, monkeypatch, name):
     kernels = installed(name)
-    monkeypatch.setattr("remat.loss.fused.select_backend", lambda requested, device: name)
+    monkeypatch.setattr("remat.loss.fused.select_backend", lambda requested, device, request: name)
     torch.manual_seed(0)
     hidden, weight = torch.randn(2, 6, 4), torch.randn(11, 4)
     labels = torch.randint(0, 11, (2, 6))
@@ -103,6 +104,44 @@ def test_the_fused_loss_hands_shifted_targets_to_the_kernel_and_divides_its_sum(
     assert call["reduction"] == "sum" and call["softcap"] == 5.0 and call["ignore_index"] == -100
     assert call.get("filter_eps", "absent") == (None if name == "cce" else "absent")  # cce: exact gradients
     torch.testing.assert_close(loss.double(), reference_loss(hidden, weight, labels, reduction="sum") / 7)
+
+
+@pytest.mark.parametrize(("request_", "why"), [
+    (KernelRequest(torch.bfloat16, bias=True, softcap=None, hidden_needs_grad=True), "takes no bias"),
+    (KernelRequest(torch.float32, bias=False, softcap=30.0, hidden_needs_grad=True), "backward needs bf16/fp16"),
+])
+def test_auto_skips_cce_where_it_cannot_do_the_call_and_says_why(installed, caplog, request_, why) -> None:
+    installed("cce", "liger")
+    with caplog.at_level(logging.INFO, logger="remat.loss"):
+        assert select_backend("auto", CUDA, request_) == "liger"
+    message = caplog.records[-1].getMessage()
+    assert "backend 'liger' on cuda" in message and f"skipped cce: " in message and why in message
+
+
+def test_cce_without_a_backward_on_fp32_and_liger_with_a_bias_are_fine(installed) -> None:
+    installed("cce", "liger")
+    assert select_backend("auto", CUDA, KernelRequest(torch.float32, False, None, hidden_needs_grad=False)) == "cce"
+    assert select_backend("liger", CUDA, KernelRequest(torch.bfloat16, True, 30.0, True)) == "liger"
+
+
+def test_no_kernel_takes_float64_and_an_explicit_cce_with_bias_warns_and_runs_torch(installed, caplog) -> None:
+    installed("cce", "liger")
+    assert select_backend("auto", CUDA, KernelRequest(torch.float64, False, None, True)) == "torch"
+    with caplog.at_level(logging.INFO, logger="remat.loss"):
+        assert select_backend("cce", CUDA, KernelRequest(torch.bfloat16, True, None, True)) == "torch"
+    assert caplog.records[-1].levelno == logging.WARNING
+    assert "'cce' requested on cuda but cut-cross-entropy's linear_cross_entropy takes no bias" in (
+        caplog.records[-1].getMessage())
+
+
+def test_a_bias_reaches_liger_and_never_cce(installed, monkeypatch) -> None:
+    kernels = installed("liger")
+    monkeypatch.setattr("remat.loss.fused.select_backend", lambda requested, device, request: "liger")
+    hidden, weight, bias = torch.randn(1, 5, 4), torch.randn(7, 4), torch.randn(7)
+    FusedLinearCrossEntropy(backend="liger")(hidden, weight, torch.randint(0, 7, (1, 5)), bias=bias)
+    assert kernels["liger"].calls[-1]["bias"] is bias
+    with pytest.raises(ValueError, match="cut-cross-entropy takes no bias"):
+        backends.kernel_arguments("cce", hidden[0], weight, torch.zeros(5, dtype=torch.long), bias, -100, None)
 
 
 def test_unknown_backend_is_a_config_error() -> None:

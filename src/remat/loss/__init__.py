@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from remat.loss.backends import BACKENDS, Backend, select_backend
-from remat.loss.chunked import DEFAULT_CHUNK_BYTES, GradStrategy, auto_token_chunk, auto_vocab_chunk
+from remat.loss.backends import BACKENDS, Backend, KernelRequest, select_backend
+from remat.loss.chunked import (
+    DEFAULT_CHUNK_BYTES,
+    FAST_CHUNK_BYTES,
+    ChunkPlan,
+    GradStrategy,
+    auto_token_chunk,
+    auto_vocab_chunk,
+    plan_chunks,
+)
 from remat.loss.fused import FusedLinearCrossEntropy
 from remat.loss.head import OutputHead, output_head
 from remat.loss.masked import MaskedCrossEntropy
@@ -13,9 +21,12 @@ __all__ = [
     "BACKENDS",
     "LOSS_INPUTS",
     "DEFAULT_CHUNK_BYTES",
+    "FAST_CHUNK_BYTES",
     "Backend",
+    "ChunkPlan",
     "FusedLinearCrossEntropy",
     "GradStrategy",
+    "KernelRequest",
     "LossInput",
     "MaskedCrossEntropy",
     "OutputHead",
@@ -25,5 +36,6 @@ __all__ = [
     "loss_input",
     "next_token_targets",
     "output_head",
+    "plan_chunks",
     "select_backend",
 ]

@@ -1,8 +1,21 @@
 """Optional CUDA kernels behind ``FusedLinearCrossEntropy(backend=...)``: cut-cross-entropy and liger-kernel.
 
-Neither is a dependency (``pip install remat[cuda-kernels]``). They run only on CUDA tensors; everywhere else, and
-whenever the package cannot be imported, the pure-PyTorch implementation runs instead. The choice is logged once
-per (requested backend, device type, outcome).
+Neither is a dependency (``pip install remat[cuda-kernels]``, which allows cut-cross-entropy 25.x and
+liger-kernel 0.8.x). They run only on CUDA tensors, and each only for what it can do (:func:`kernel_refusal`);
+everywhere else, and whenever the package cannot be imported, the pure-PyTorch implementation runs instead. The
+choice, and why a kernel was skipped, is logged once per (requested backend, device type, outcome).
+
+The calls follow the signatures of those versions (:func:`kernel_arguments`; a test binds them to the installed
+package's functions):
+
+- ``cut_cross_entropy.linear_cross_entropy(e, c, targets, ignore_index=-100, softcap=None, reduction="mean",
+  shift=False, filter_eps="high", impl="cce")``: no bias; its backward takes bf16/fp16 ``e`` only.
+- ``liger_kernel.transformers.functional.liger_fused_linear_cross_entropy(input, weight, target, bias=None,
+  ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
+  ...)``.
+
+Both get the already-shifted flat targets with ``reduction="sum"``; remat divides, so ``num_label_tokens`` means the
+same on every backend.
 """
 
 from __future__ import annotations
@@ -10,7 +23,8 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -27,8 +41,20 @@ KERNELS: dict[str, tuple[str, str]] = {
     "cce": ("cut_cross_entropy", "linear_cross_entropy"),
     "liger": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy"),
 }
+#: The distribution that provides each kernel backend (for messages and the version check).
+DISTRIBUTIONS: dict[str, str] = {"cce": "cut-cross-entropy", "liger": "liger-kernel"}
 
-_announced: set[tuple[str, str, str]] = set()
+_announced: set[tuple[str, str, str, tuple[str, ...]]] = set()
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    """What one call of the fused loss asks of a kernel backend."""
+
+    dtype: torch.dtype
+    bias: bool
+    softcap: float | None
+    hidden_needs_grad: bool
 
 
 def check_backend(backend: str) -> Backend:
@@ -49,29 +75,73 @@ def load_kernel(name: str) -> Callable[..., Tensor] | None:
     return getattr(module, function_name, None)
 
 
-def select_backend(requested: Backend, device: torch.device) -> str:
-    """The backend that will run: a requested kernel on CUDA if it imports, "auto" tries cce then liger, else torch."""
+def kernel_refusal(name: str, request: KernelRequest) -> str | None:
+    """Why kernel backend ``name`` cannot compute ``request`` (None if it can)."""
+    if request.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"it takes bf16/fp16/fp32 inputs, not {request.dtype}"
+    if name == "cce":
+        if request.bias:
+            return "cut-cross-entropy's linear_cross_entropy takes no bias"
+        if request.hidden_needs_grad and request.dtype == torch.float32:
+            return "cut-cross-entropy's backward needs bf16/fp16 hidden states, not float32"
+    return None
+
+
+def select_backend(requested: Backend, device: torch.device, request: KernelRequest | None = None) -> str:
+    """The backend that will run: a requested kernel on CUDA if it imports and can do ``request``, else torch.
+
+    "auto" tries cce, then liger, then torch. ``request`` None means a plain bf16 call without bias or soft-cap.
+    """
     if requested == "torch":
         return "torch"
+    request = request or KernelRequest(torch.bfloat16, bias=False, softcap=None, hidden_needs_grad=True)
     candidates = tuple(KERNELS) if requested == "auto" else (requested,)
+    skipped: list[str] = []
     chosen = "torch"
-    if device.type == "cuda":
-        chosen = next((name for name in candidates if load_kernel(name) is not None), "torch")
-    _announce(requested, device, chosen)
+    for name in candidates:
+        why = _why_not(name, device, request)
+        if why is None:
+            chosen = name
+            break
+        skipped.append(f"{name}: {why}")
+    _announce(requested, device, chosen, tuple(skipped))
     return chosen
 
 
-def _announce(requested: str, device: torch.device, chosen: str) -> None:
-    key = (requested, device.type, chosen)
+def _why_not(name: str, device: torch.device, request: KernelRequest) -> str | None:
+    if device.type != "cuda":
+        return "it runs on CUDA only"
+    if load_kernel(name) is None:
+        return f"{KERNELS[name][0]} could not be imported (pip install remat[cuda-kernels])"
+    return kernel_refusal(name, request)
+
+
+def _announce(requested: str, device: torch.device, chosen: str, skipped: tuple[str, ...]) -> None:
+    key = (requested, device.type, chosen, skipped)
     if key in _announced:
         return
     _announced.add(key)
     if requested not in ("auto", chosen):
-        why = "it runs on CUDA only" if device.type != "cuda" else f"{KERNELS[requested][0]} could not be imported"
         logger.warning("FusedLinearCrossEntropy: backend %r requested on %s but %s; using 'torch'",
-                       requested, device.type, why)
+                       requested, device.type, skipped[0].split(": ", 1)[1])
+    elif skipped and device.type == "cuda":
+        logger.info("FusedLinearCrossEntropy: backend %r on %s (requested 'auto'; skipped %s)",
+                    chosen, device.type, "; ".join(skipped))
     else:
         logger.info("FusedLinearCrossEntropy: backend %r on %s (requested %r)", chosen, device.type, requested)
+
+
+def kernel_arguments(name: str, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                     ignore_index: int, softcap: float | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword arguments of kernel backend ``name``'s function for the summed loss."""
+    if name == "cce":
+        if bias is not None:
+            raise ValueError("cut-cross-entropy takes no bias (select_backend never picks it for one)")
+        # filter_eps=None: exact gradients (cce's default skips small softmax entries in backward)
+        return (hidden, weight, targets), {"ignore_index": ignore_index, "softcap": softcap, "reduction": "sum",
+                                           "filter_eps": None}
+    return (hidden, weight, targets), {"bias": bias, "ignore_index": ignore_index, "reduction": "sum",
+                                       "softcap": softcap}
 
 
 def kernel_loss_sum(name: str, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
@@ -80,10 +150,6 @@ def kernel_loss_sum(name: str, hidden: Tensor, weight: Tensor, targets: Tensor, 
     kernel = load_kernel(name)
     if kernel is None:
         raise RuntimeError(f"loss backend {name!r} was selected but {KERNELS[name][0]} no longer imports")
-    if name == "cce":
-        # filter_eps=None: exact gradients (cce's default skips small softmax entries in backward)
-        return kernel(hidden, weight, targets, bias=bias, ignore_index=ignore_index, softcap=softcap,
-                      reduction="sum", filter_eps=None)
-    result = kernel(hidden, weight, targets, bias=bias, ignore_index=ignore_index, softcap=softcap,
-                    reduction="sum")
+    args, kwargs = kernel_arguments(name, hidden, weight, targets, bias, ignore_index, softcap)
+    result = kernel(*args, **kwargs)
     return result[0] if isinstance(result, tuple) else result

@@ -19,6 +19,12 @@ Two ways to get the gradients (``grad_strategy``):
 
 ``"auto"`` takes ``"forward"`` unless that needs the fp32 weight-gradient accumulator (a bf16/fp16 weight that
 requires grad and more than one token chunk), where the accumulator would cost more than the chunk itself.
+
+The fast path (``ChunkSettings.fast``, the default on CUDA, see :func:`plan_chunks`) is the "forward" strategy with
+the chunk math of :mod:`remat.loss.compiled` (one compiled kernel, the logit gradient written over the chunk's
+low-precision logits), bigger chunks, and the weight gradient accumulated in the weight's own dtype by the matmul
+(``addmm`` into the gradient buffer: fp32 sums inside each chunk's matmul, one rounding per token chunk, no fp32
+``[vocab, hidden]`` accumulator). Three matmuls and one fused pass over each chunk's logits.
 """
 
 from __future__ import annotations
@@ -29,10 +35,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from remat.loss.compiled import CHUNK_MATH, compile_available
+
 GradStrategy = Literal["auto", "forward", "recompute"]
 
 #: Working-memory target of one chunk (its fp32 logits buffers plus low-precision copies), in bytes.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: The same on the fast path (CUDA): one ``[rows, vocab]`` buffer in the input dtype. 256 MiB is 1024 rows of a 128k
+#: vocabulary in bf16: matmuls of 1024 rows keep a GPU's tensor cores busy, and the weight-gradient ``addmm`` reads
+#: and writes its ``[vocab, hidden]`` output once per chunk, so fewer, bigger chunks cost less memory traffic.
+FAST_CHUNK_BYTES = 256 * 2**20
 #: Fewest rows (tokens) or vocabulary entries in a chunk, whatever the budget: a thin matmul wastes time (fp32
 #: ``[rows, 2048] @ [2048, 32768]`` on the 2-core CPU here: 80 / 98 / 129 / 139 GFLOP/s at 128 / 256 / 512 / 1024
 #: rows). 512 rows is also ~4% of the plain loss's three ``[tokens, vocab]`` fp32 tensors at 4096 tokens.
@@ -46,13 +58,15 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def bytes_per_logit(dtype: torch.dtype, softcap: float | None) -> int:
+def bytes_per_logit(dtype: torch.dtype, softcap: float | None, fast: bool = False) -> int:
     """Peak working bytes per element of a chunk's logits.
 
-    One accumulation-dtype buffer (logits, then softmax, then gradient), a second one while a soft-cap is applied
-    (the derivative needs ``tanh`` and the softmax at once), and a low-precision copy of the gradient for the matmuls
-    when the inputs are not in the accumulation dtype.
+    Eager: one accumulation-dtype buffer (logits, then softmax, then gradient), a second one while a soft-cap is
+    applied (the derivative needs ``tanh`` and the softmax at once), and a low-precision copy of the gradient for the
+    matmuls when the inputs are not in the accumulation dtype. Fast path: the logits buffer only (input dtype).
     """
+    if fast:
+        return dtype.itemsize
     acc = accumulation_dtype(dtype).itemsize
     low_precision_copy = dtype.itemsize if dtype != accumulation_dtype(dtype) else 0
     return max(acc + low_precision_copy, 2 * acc if softcap is not None else 0)
@@ -65,9 +79,9 @@ def _rows_for_budget(row_bytes: int, limit: int, chunk_bytes: int) -> int:
 
 
 def auto_token_chunk(vocab_size: int, dtype: torch.dtype, softcap: float | None = None,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, fast: bool = False) -> int:
     """Tokens per forward chunk: as many full-vocabulary rows as fit ``chunk_bytes``, at least ``MIN_CHUNK``."""
-    return _rows_for_budget(vocab_size * bytes_per_logit(dtype, softcap), 1 << 30, chunk_bytes)
+    return _rows_for_budget(vocab_size * bytes_per_logit(dtype, softcap, fast), 1 << 30, chunk_bytes)
 
 
 def auto_vocab_chunk(num_tokens: int, vocab_size: int, dtype: torch.dtype, softcap: float | None = None,
@@ -76,10 +90,13 @@ def auto_vocab_chunk(num_tokens: int, vocab_size: int, dtype: torch.dtype, softc
     return _rows_for_budget(num_tokens * bytes_per_logit(dtype, softcap), vocab_size, chunk_bytes)
 
 
-def resolve_grad_strategy(strategy: GradStrategy, weight: Tensor, num_tokens: int, token_chunk: int) -> str:
+def resolve_grad_strategy(strategy: GradStrategy, weight: Tensor, num_tokens: int, token_chunk: int,
+                          fast: bool = False) -> str:
     """Turn ``"auto"`` into ``"forward"`` or ``"recompute"`` (see the module docstring for the rule)."""
     if strategy != "auto":
         return strategy
+    if fast:
+        return "forward"  # its accumulator is the gradient buffer itself
     needs_accumulator = weight.requires_grad and weight.dtype != accumulation_dtype(weight.dtype)
     return "recompute" if needs_accumulator and num_tokens > token_chunk else "forward"
 
@@ -94,6 +111,33 @@ class ChunkSettings:
     strategy: str
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     grad_enabled: bool = True  # torch.is_grad_enabled() at the call (forward runs with grad mode off)
+    fast: bool = False  # compiled chunk math, weight gradient accumulated in the weight's dtype ("forward" only)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How the torch backend runs on a device: fast path or eager, chunk rows, gradient strategy."""
+
+    fast: bool
+    token_chunk: int
+    strategy: str
+    chunk_bytes: int
+
+
+def plan_chunks(device: torch.device, weight: Tensor, num_tokens: int, softcap: float | None,
+                strategy: GradStrategy, compile: bool | None, chunk_size: int | None,
+                chunk_bytes: int | None) -> ChunkPlan:
+    """Pick the path for ``device``: the fast path on CUDA (unless ``compile=False``), eager elsewhere.
+
+    ``compile=True`` forces the fast path on any device (the CPU compiles it with a C++ compiler). The fast path runs
+    the "forward" strategy; an explicit ``"recompute"`` runs eagerly wherever it is asked for.
+    """
+    wanted = device.type == "cuda" and compile_available() if compile is None else compile
+    fast = wanted and strategy != "recompute"
+    budget = chunk_bytes or (FAST_CHUNK_BYTES if fast else DEFAULT_CHUNK_BYTES)
+    token_chunk = chunk_size or auto_token_chunk(weight.shape[0], weight.dtype, softcap, budget, fast)
+    return ChunkPlan(fast, token_chunk, resolve_grad_strategy(strategy, weight, num_tokens, token_chunk, fast),
+                     budget)
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
@@ -123,21 +167,23 @@ def _logit_grad_(buf: Tensor, probs: Tensor, hit_rows: Tensor, hit_cols: Tensor,
 class _ForwardGrads:
     """Gradients accumulated chunk by chunk during the forward pass (the "forward" strategy)."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, ...]) -> None:
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
+                 in_weight_dtype: bool = False) -> None:
         acc = accumulation_dtype(weight.dtype)
         self.hidden = torch.zeros_like(hidden) if needs[0] else None
-        self.weight = torch.zeros_like(weight, dtype=acc) if needs[1] else None
+        self.weight = torch.zeros_like(weight, dtype=weight.dtype if in_weight_dtype else acc) if needs[1] else None
         self.bias = torch.zeros_like(bias, dtype=acc) if bias is not None and needs[2] else None
         self.dtype = weight.dtype  # hidden, weight and bias share it (checked by the caller)
 
     def add_chunk(self, rows: Tensor, h: Tensor, grad: Tensor, weight: Tensor) -> None:
-        """Add one chunk's contribution given its logit gradient ``grad [rows, vocab]``."""
+        """Add one chunk's contribution given its logit gradient ``grad [rows, vocab]`` (fp32 or the input dtype)."""
         if self.bias is not None:
-            self.bias.add_(grad.sum(0))
+            self.bias.add_(grad.sum(0, dtype=self.bias.dtype))
         if self.hidden is not None:
             self.hidden.index_copy_(0, rows, grad.to(weight.dtype) @ weight)
         if self.weight is not None:
-            torch.addmm(self.weight, grad.T, h.to(grad.dtype), out=self.weight)  # in place, seen as a matmul
+            g = grad.to(self.weight.dtype)
+            torch.addmm(self.weight, g.T, h.to(g.dtype), out=self.weight)  # in place, seen as a matmul
 
     def scaled(self, grad_loss: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """The final gradients times the incoming gradient of the loss, in the inputs' dtypes."""
@@ -204,6 +250,8 @@ def _forward_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets:
     """
     h = hidden.index_select(0, chunk_rows)
     t = targets.index_select(0, chunk_rows)
+    if settings.fast:
+        return _fast_chunk(h, t, weight, bias, chunk_rows, settings, grads)
     buf = _logits(h, weight, bias, settings.softcap)
     z = _capped(buf, settings.softcap)
     target_logit = z.gather(1, t[:, None]).squeeze(1)
@@ -222,6 +270,17 @@ def _forward_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets:
     return lse, loss_sum
 
 
+def _fast_chunk(h: Tensor, t: Tensor, weight: Tensor, bias: Tensor | None, chunk_rows: Tensor,
+                settings: ChunkSettings, grads: _ForwardGrads | None) -> tuple[Tensor, Tensor]:
+    """The fast path's chunk: logits in the input dtype, one compiled pass turns them into their gradient."""
+    logits = torch.addmm(bias, h, weight.T) if bias is not None else h @ weight.T
+    scale = torch.full((), settings.scale, dtype=accumulation_dtype(logits.dtype), device=logits.device)
+    lse, losses = CHUNK_MATH(logits, t, scale, settings.softcap)
+    if grads is not None:
+        grads.add_chunk(chunk_rows, h, logits, weight)
+    return lse, losses.sum()
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum over label rows of (logsumexp(z_i) - z_i[target_i]) * scale`` with ``z = cap(hidden @ weight.T + bias)``.
 
@@ -234,7 +293,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 settings: ChunkSettings) -> Tensor:
         needs = tuple(settings.grad_enabled and needed for needed in ctx.needs_input_grad[:3])
         wants_grad = any(needs)
-        grads = _ForwardGrads(hidden, weight, bias, needs) if wants_grad and settings.strategy == "forward" else None
+        forward = wants_grad and settings.strategy == "forward"
+        grads = _ForwardGrads(hidden, weight, bias, needs, settings.fast) if forward else None
         keep_lse = wants_grad and settings.strategy == "recompute"
         acc = accumulation_dtype(weight.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)

@@ -11,15 +11,8 @@ import torch
 from torch import Tensor
 
 from remat.errors import ConfigError
-from remat.loss.backends import Backend, check_backend, kernel_loss_sum, select_backend
-from remat.loss.chunked import (
-    DEFAULT_CHUNK_BYTES,
-    ChunkedLinearCrossEntropy,
-    ChunkSettings,
-    GradStrategy,
-    auto_token_chunk,
-    resolve_grad_strategy,
-)
+from remat.loss.backends import Backend, KernelRequest, check_backend, kernel_loss_sum, select_backend
+from remat.loss.chunked import ChunkedLinearCrossEntropy, ChunkSettings, GradStrategy, plan_chunks
 from remat.loss.targets import (
     LossInput,
     Reduction,
@@ -48,8 +41,11 @@ class FusedLinearCrossEntropy:
             (see :func:`remat.loss.auto_token_chunk`).
         grad_strategy: "auto", "forward" (gradients computed in forward, 3 matmuls) or "recompute" (logits
             recomputed in backward, 4 matmuls, no fp32 weight-gradient accumulator); see :mod:`remat.loss.chunked`.
-        chunk_bytes: working-memory target of one chunk, in bytes.
-        backend: "auto" (a CUDA kernel package if importable, else "torch"), "torch", "cce" or "liger".
+        chunk_bytes: working-memory target of one chunk, in bytes; None: 64 MiB eager, 256 MiB on the fast path.
+        backend: "auto" (a CUDA kernel package if importable and able to do the call, else "torch"), "torch",
+            "cce" or "liger".
+        compile: the torch backend's fast path (chunk math compiled with ``torch.compile``, "forward" strategy,
+            weight gradient accumulated in the weight's dtype); None: on CUDA tensors only.
     """
 
     consumes: ClassVar[LossInput] = "hidden_states"
@@ -62,8 +58,9 @@ class FusedLinearCrossEntropy:
         chunk_size: int | None = None,
         *,
         grad_strategy: GradStrategy = "auto",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         backend: Backend = "auto",
+        compile: bool | None = None,
     ) -> None:
         self.ignore_index = int(ignore_index)
         self.reduction: Reduction = check_reduction(reduction)
@@ -78,16 +75,21 @@ class FusedLinearCrossEntropy:
                 f"loss_fn.grad_strategy: got {grad_strategy!r}; allowed: {', '.join(map(repr, GRAD_STRATEGIES))}"
             )
         self.grad_strategy: GradStrategy = grad_strategy
-        if not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
-            raise ConfigError(f"loss_fn.chunk_bytes: got {chunk_bytes!r}; allowed: a positive integer (bytes)")
+        if chunk_bytes is not None and not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
+            raise ConfigError(f"loss_fn.chunk_bytes: got {chunk_bytes!r}; allowed: None (automatic) or a positive "
+                              "integer (bytes)")
         self.chunk_bytes = chunk_bytes
         self.backend: Backend = check_backend(backend)
+        if compile is not None and not isinstance(compile, bool):
+            raise ConfigError(f"loss_fn.compile: got {compile!r}; allowed: None (on CUDA), true or false")
+        self.compile = compile
 
     def __repr__(self) -> str:
         return (
             f"FusedLinearCrossEntropy(ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
             f"logit_softcap={self.logit_softcap}, chunk_size={self.chunk_size}, "
-            f"grad_strategy={self.grad_strategy!r}, chunk_bytes={self.chunk_bytes}, backend={self.backend!r})"
+            f"grad_strategy={self.grad_strategy!r}, chunk_bytes={self.chunk_bytes}, backend={self.backend!r}, "
+            f"compile={self.compile})"
         )
 
     def __call__(
@@ -116,20 +118,23 @@ class FusedLinearCrossEntropy:
         divisor = loss_divisor(self.reduction, rows.numel(), num_label_tokens)
         flat = hidden.reshape(-1, hidden.shape[-1])
 
-        backend = select_backend(self.backend, flat.device)
+        request = KernelRequest(flat.dtype, bias is not None, self.logit_softcap,
+                                hidden.requires_grad and torch.is_grad_enabled())
+        backend = select_backend(self.backend, flat.device, request)
         if backend != "torch":
             total = kernel_loss_sum(backend, flat, weight, targets, bias, self.ignore_index, self.logit_softcap)
             return total.float() / divisor
 
-        token_chunk = self.chunk_size or auto_token_chunk(vocab_size, weight.dtype, self.logit_softcap,
-                                                          self.chunk_bytes)
+        plan = plan_chunks(flat.device, weight, rows.numel(), self.logit_softcap, self.grad_strategy, self.compile,
+                           self.chunk_size, self.chunk_bytes)
         settings = ChunkSettings(
             scale=1.0 / divisor,
             softcap=self.logit_softcap,
-            token_chunk=token_chunk,
-            strategy=resolve_grad_strategy(self.grad_strategy, weight, rows.numel(), token_chunk),
-            chunk_bytes=self.chunk_bytes,
+            token_chunk=plan.token_chunk,
+            strategy=plan.strategy,
+            chunk_bytes=plan.chunk_bytes,
             grad_enabled=torch.is_grad_enabled(),
+            fast=plan.fast,
         )
         with _autocast_off(flat.device):
             loss: Tensor = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, rows, settings)
