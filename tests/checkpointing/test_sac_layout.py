@@ -134,3 +134,29 @@ def test_indexed_storage_without_its_sentinel_is_a_clear_error(monkeypatch: pyte
     monkeypatch.delattr(torch_checkpoint, "_RECOMPUTE")
     with pytest.raises(CheckpointingError, match=r"indexed by call but torch.utils.checkpoint._RECOMPUTE is gone"):
         sac_layout()
+
+
+class _Wrapper:
+    """Stands for torch's _VersionWrapper (.val, .version) so the queue logic runs on every torch."""
+
+    def __init__(self, val: torch.Tensor) -> None:
+        self.val, self.version = val, val._version
+
+
+def test_queue_drop_keeps_the_others_in_call_order_and_marks_recompute() -> None:
+    layout = QueueLayout(version_wrapper=_Wrapper)
+    a, b, c = (_Wrapper(torch.full((1,), float(i))) for i in range(3))
+    storage: dict[Any, Any] = {aten.mm.default: [a, b, c]}
+    forward_saved = {aten.mm.default: [True, False, True, True]}  # calls 0, 2, 3 were cached
+    entries = list(layout.cached(storage, forward_saved))
+    assert [e.slot for e in entries] == [0, 2, 3]
+    layout.drop(storage, forward_saved, [entries[1]])
+    assert storage[aten.mm.default] == [a, c]
+    assert forward_saved[aten.mm.default] == [True, False, False, True]
+
+
+def test_queue_that_does_not_match_the_decisions_is_a_clear_error() -> None:
+    layout = QueueLayout(version_wrapper=_Wrapper)
+    storage = {aten.mm.default: [_Wrapper(torch.zeros(1))]}
+    with pytest.raises(CheckpointingError, match=r"cached 1 outputs of aten.mm.default but the policy saved 0"):
+        list(layout.cached(storage, {aten.mm.default: [False]}))

@@ -88,6 +88,8 @@ class QueueLayout:
         for key, queue in storage.items():
             calls = [index for index, saved in enumerate(forward_saved.get(key, ())) if saved]
             if len(calls) != len(queue):
+                if _traced(queue, self.version_wrapper):
+                    continue  # torch.compile tracing caches every call; its fake tensors hold no data to guard
                 raise CheckpointingError(
                     f"selective checkpointing: torch {torch.__version__} cached {len(queue)} outputs of {key} but "
                     f"the policy saved {len(calls)}; the layout of torch.utils.checkpoint's cache is not the one "
@@ -111,6 +113,11 @@ class QueueLayout:
 
 
 SacLayout = IndexedLayout | QueueLayout
+
+
+def _traced(queue: list[Any], version_wrapper: type) -> bool:
+    """Whether the queue holds tensor subclasses (fake/functional tensors while torch.compile traces)."""
+    return any(type(w.val) is not torch.Tensor for entry in queue for w in _tensor_wrappers(entry, version_wrapper))
 
 
 def _tensor_wrappers(entry: Any, version_wrapper: type) -> tuple[Any, ...]:
