@@ -21,6 +21,7 @@ from torch.utils.checkpoint import (
 
 from remat.checkpointing.selective import (
     ALTERNATE_OPS,
+    POLICY_SEES_OUTPUT,
     SAVE_OPS,
     TRACE_ENV_VAR,
     Decision,
@@ -171,12 +172,12 @@ def test_random_ops_are_recomputed_so_later_masks_match() -> None:
         return w1.grad.clone()
 
     def save_first_random_op() -> Any:
-        calls = [0]
+        calls = {False: 0, True: 0}  # per mode: torch 2.11 asks again in the recompute, 2.13+ replays the forward
 
         def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             if op is aten.rand_like.default:
-                calls[0] += 1
-                if calls[0] == 1:
+                calls[ctx.is_recompute] += 1
+                if calls[ctx.is_recompute] == 1:
                     return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -251,7 +252,8 @@ def test_every_other_matmul_saved_and_recompute_counts_separately() -> None:
     ops = [aten.mm.default, aten.silu.default, aten.addmm.default, aten.bmm.default, aten.mm.default, aten.mm.default]
 
     def decisions(is_recompute: bool) -> list[CheckpointPolicy]:
-        ctx = SelectiveCheckpointContext(is_recompute=is_recompute, op_output=x)
+        # torch 2.13+ passes the output; torch 2.11 asks before the op runs
+        ctx = SelectiveCheckpointContext(is_recompute=is_recompute, **({"op_output": x} if POLICY_SEES_OUTPUT else {}))
         return [policy(ctx, op, x, x) for op in ops]
 
     forward = decisions(False)
@@ -577,52 +579,3 @@ def test_real_models_trace_their_downgrades(arch: str, expected: str, caplog: py
     with caplog.at_level(logging.INFO, logger=LOGGER):
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert expected in [r.getMessage() for r in caplog.records]
-
-
-def test_torch_internals_the_guard_relies_on() -> None:
-    """Fails loudly when torch changes what mutation_safe_contexts relies on (checked against torch 2.13)."""
-    from torch.utils import checkpoint as torch_checkpoint
-
-    from remat.checkpointing.selective import _sac_internals
-
-    internals = _sac_internals()
-    assert internals.recompute is torch_checkpoint._RECOMPUTE
-    assert internals.version_wrapper is torch_checkpoint._VersionWrapper
-
-    policy_calls: list[bool] = []
-
-    def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        policy_calls.append(ctx.is_recompute)
-        return CheckpointPolicy.MUST_SAVE if op is aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-    w = torch.randn(4, 4, requires_grad=True)
-    forward, recompute = mutation_safe_contexts(policy)
-    storage = forward.inner.storage
-    assert recompute.inner.storage is storage
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        h = x.mm(w)
-        h.add_(1.0)  # downgrades the mm entry at the exit of the forward
-        return x.mm(w).sin() * h.cos()  # second mm stays cached
-
-    y = checkpoint(fn, torch.randn(3, 4), use_reentrant=False, context_fn=lambda: (forward, recompute))
-    forward_calls = len(policy_calls)
-    # {op key: {call index: entry}}, each entry the _RECOMPUTE sentinel or a tree of _VersionWrapper(.val, .version)
-    assert storage[aten.mm.default][0] is torch_checkpoint._RECOMPUTE
-    cached = storage[aten.mm.default][1]
-    assert isinstance(cached, torch_checkpoint._VersionWrapper) and cached.version == cached.val._version
-    assert storage[aten.sin.default][0] is torch_checkpoint._RECOMPUTE
-    y.sum().backward()
-    assert len(policy_calls) == forward_calls and not any(policy_calls)  # recompute replays entries, no policy
-
-
-def test_missing_torch_internals_are_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.utils import checkpoint as torch_checkpoint
-
-    from remat.checkpointing import selective
-    from remat.errors import CheckpointingError
-
-    monkeypatch.setattr(selective, "_internals", [])
-    monkeypatch.delattr(torch_checkpoint, "_RECOMPUTE")
-    with pytest.raises(CheckpointingError, match=r"internals of torch.utils.checkpoint as of torch 2.13.*_RECOMPUTE"):
-        selective_context_fn()()

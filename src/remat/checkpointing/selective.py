@@ -29,6 +29,7 @@ returns what was seen.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import threading
@@ -48,11 +49,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.errors import CheckpointingError, ConfigError
+from remat.checkpointing.sac_layout import CachedEntry, SacLayout, sac_layout
+from remat.errors import ConfigError
 
 __all__ = [
     "ALTERNATE_OPS",
     "DEVICE_TO_HOST_OPS",
+    "POLICY_SEES_OUTPUT",
     "SAVE_OPS",
     "SAVE_OP_NAMESPACES",
     "TRACE_ENV_VAR",
@@ -235,11 +238,16 @@ def _on_accelerator(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta") for t in tree_leaves(value))
 
 
-def _moves_to_host(op_name: str, args: tuple[Any, ...], out: Any) -> bool:
+def _moves_to_host(op_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> bool:
+    """Whether the call reads an accelerator tensor back to the host. ``out`` is None where torch asks the policy
+    before the op runs (torch 2.11); ``_to_copy``'s destination is then its ``device`` argument."""
     if not _on_accelerator(args):
         return False
     if op_name == "aten._to_copy.default":
-        return isinstance(out, torch.Tensor) and out.device.type == "cpu"
+        if isinstance(out, torch.Tensor):
+            return out.device.type == "cpu"
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type == "cpu"
     return True  # .item() and nonzero read a result back to the host whatever the output device
 
 
@@ -281,8 +289,8 @@ def _rule_for(op: Any) -> tuple[Decision | None, str]:
 class SelectivePolicy:
     """The policy function of one checkpointed region (one ``checkpoint`` call): decides SAVE or RECOMPUTE per op.
 
-    Called by torch as ``policy(ctx, op, *args, **kwargs)`` after the op ran (``ctx.op_output`` holds its output).
-    With ``save_every_other_mm=False`` every matmul is saved instead of every other one.
+    Called by torch as ``policy(ctx, op, *args, **kwargs)``: after the op ran (``ctx.op_output`` holds its output)
+    on torch 2.13+, before it runs on torch 2.11, where the trace line of a call waits for :meth:`output_seen`. With ``save_every_other_mm=False`` every matmul is saved instead of every other one.
     """
 
     def __init__(self, *, save_every_other_mm: bool = True, trace: bool = False) -> None:
@@ -296,6 +304,7 @@ class SelectivePolicy:
         # forward's decisions from its cache by index and calls the policy in the forward only; the per-mode count
         # keeps this policy correct under both behaviours.
         self._matmul_calls: dict[bool, int] = {False: 0, True: 0}
+        self._unrecorded: tuple[Any, Decision, bool, str] | None = None
 
     def decide(
         self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any, *, is_recompute: bool = False
@@ -305,7 +314,7 @@ class SelectivePolicy:
             return Decision.RECOMPUTE, False, _RANDOM_REASON
         decision, reason = _rule_for(op)
         if decision is None:  # a device-to-host candidate: saved only when it really leaves the accelerator
-            decision = Decision.SAVE if _moves_to_host(_op_name(op), args, out) else Decision.RECOMPUTE
+            decision = Decision.SAVE if _moves_to_host(_op_name(op), args, kwargs, out) else Decision.RECOMPUTE
             if decision is Decision.RECOMPUTE:
                 reason = "stays on the host: " + _DEFAULT_REASON
         if decision is Decision.ALTERNATE:
@@ -317,11 +326,23 @@ class SelectivePolicy:
         return decision, decision is Decision.SAVE, reason
 
     def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        out = ctx.op_output
+        sees_output = hasattr(ctx, "op_output")
+        out = ctx.op_output if sees_output else None
         decision, save, reason = self.decide(op, args, kwargs, out, is_recompute=ctx.is_recompute)
         if self.trace and not ctx.is_recompute:
-            _record(op, decision, save, reason, out)
+            if sees_output:
+                _record(op, decision, save, reason, out)
+            else:
+                self._unrecorded = (op, decision, save, reason)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+    def output_seen(self, out: Any) -> None:
+        """The output of the call just decided, where torch asked before the op ran: records its trace line."""
+        if self._unrecorded is not None:
+            op, decision, save, reason = self._unrecorded
+            self._unrecorded = None
+            _record(op, decision, save, reason, out)
 
 
 def _record(op: Any, decision: Decision, saved: bool, reason: str, out: Any) -> None:
@@ -370,7 +391,8 @@ PolicyFn = Callable[..., "CheckpointPolicy | bool"]
 # mutation_safe_contexts therefore follows the storages of the outputs it saves: every op the policy sees whose
 # schema writes into an argument (``Tensor(a!)``) marks the storage it writes into, every non-view output that
 # shares a saved storage (``_unsafe_view``) is remembered with its version, and when the checkpointed forward exits
-# each saved entry whose storage was written, or whose version moved, is replaced by torch's "recompute" sentinel.
+# each saved entry whose storage was written, or whose version moved, is dropped from torch's cache (through the
+# per-version adapter in sac_layout.py), so recompute re-runs that call.
 # Right before recompute the same check runs again for writes made after the region (through the output or such an
 # alias). Recomputing an entry is exact: recompute re-runs every call that is not served from the cache, so the op's
 # inputs are recomputed to their forward values (or served from entries that are themselves clean), and random ops
@@ -436,66 +458,17 @@ def _argument(args: tuple[Any, ...], kwargs: Mapping[str, Any], position: int, n
     return args[position] if position < len(args) else None
 
 
-@dataclasses.dataclass(frozen=True)
-class _SacInternals:
-    """The private parts of ``torch.utils.checkpoint`` (torch 2.13) that :func:`mutation_safe_contexts` relies on:
-
-    - ``create_selective_checkpoint_contexts`` returns (caching mode, cached mode) sharing ``.storage``, a mapping
-      {op key: {call index: entry}} filled by the forward and read back, entry by entry and in call order, by the
-      recompute without calling the policy again;
-    - an entry is the ``_RECOMPUTE`` sentinel (the recompute re-runs the call) or ``tree_map(_VersionWrapper, out)``,
-      each wrapper holding ``.val`` (the detached output, sharing the output's version counter) and ``.version``.
-
-    :func:`_sac_internals` checks all of it once and raises a CheckpointingError naming the torch version when
-    something changed; ``tests/checkpointing/test_selective.py`` checks it too, and the behaviour end to end.
-    """
-
-    recompute: object
-    version_wrapper: type
-
-
-_internals: list[_SacInternals] = []
-
-
-def _sac_internals() -> _SacInternals:
-    if _internals:
-        return _internals[0]
-    from torch.utils import checkpoint as torch_checkpoint
-
-    recompute = getattr(torch_checkpoint, "_RECOMPUTE", None)
-    wrapper_type = getattr(torch_checkpoint, "_VersionWrapper", None)
-    problems = []
-    if recompute is None:
-        problems.append("torch.utils.checkpoint._RECOMPUTE is gone")
-    if not isinstance(wrapper_type, type):
-        problems.append("torch.utils.checkpoint._VersionWrapper is gone")
-    else:
-        probe = wrapper_type(torch.zeros(1))
-        if not (isinstance(getattr(probe, "val", None), torch.Tensor) and getattr(probe, "version", None) == 0):
-            problems.append("_VersionWrapper no longer has .val and .version")
-    forward, backward = create_selective_checkpoint_contexts(lambda *_a, **_k: CheckpointPolicy.PREFER_RECOMPUTE)
-    storage = getattr(forward, "storage", None)
-    if not isinstance(storage, dict) or getattr(backward, "storage", None) is not storage:
-        problems.append("the two selective-checkpoint modes no longer share a .storage dict")
-    if problems:
-        raise CheckpointingError(
-            f"remat's selective checkpointing relies on internals of torch.utils.checkpoint as of torch 2.13 to keep "
-            f"outputs mutated in place out of its cache, and torch {torch.__version__} changed them: "
-            f"{'; '.join(problems)}. Use policy 'full' (exact, no op-level cache) until remat supports this torch"
-        )
-    _internals.append(_SacInternals(recompute=recompute, version_wrapper=wrapper_type))
-    return _internals[0]
-
-
 _AFTER_REGION = "after the checkpointed region, before backward"
 _UNSEEN_WRITE = "in the forward, by a write the policy did not see (the version counter moved)"
 
 
 class _MutationGuard:
-    """Follows the saved outputs of one checkpointed region and the in-place writes into their storages."""
+    """Follows the saved outputs of one checkpointed region and the in-place writes into their storages, and takes
+    the entries written into back out of torch's cache (through :func:`~remat.checkpointing.sac_layout.sac_layout`)."""
 
-    def __init__(self, trace: bool) -> None:
+    def __init__(self, trace: bool, layout: SacLayout) -> None:
         self.trace = trace
+        self.layout = layout
         self.saved: dict[int, str] = {}  # storage id -> first op whose saved output lives there (forward only)
         self.written: dict[int, str] = {}  # saved storage id -> how it was written into afterwards
         # Outputs sharing a saved storage without sharing its version counter: (weak reference, version seen).
@@ -505,6 +478,21 @@ class _MutationGuard:
         # autograd graph, so holding it costs no memory and makes no reference cycle; the alias's Python object
         # itself may be gone by backward (the caller dropped it) while writes through it were still possible.
         self.watched: list[tuple[int, torch.Tensor, int]] = []
+        # Per op, whether each forward call was cached: replayed to torch versions that ask the policy again in the
+        # recompute, with the dropped entries turned to "recompute" (see sac_layout.QueueLayout).
+        self.forward_saved: dict[Any, list[bool]] = defaultdict(list)
+        self.recompute_calls: dict[Any, int] = defaultdict(int)
+        # Set by the policy while an op runs under the observer: whether torch caches this call (None: torch did
+        # not ask the policy, e.g. for detach, and caches nothing).
+        self.pending: bool | None = None
+
+    def replayed(self, op: Any) -> CheckpointPolicy:
+        """The forward's decision for the next recompute call of ``op`` (recompute when the entry was dropped)."""
+        index = self.recompute_calls[op]
+        self.recompute_calls[op] = index + 1
+        calls = self.forward_saved.get(op, ())
+        saved = index < len(calls) and calls[index]
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     def observe(self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any, saved: bool) -> None:
         """One forward call, seen by the policy after it ran and before torch stores its entry."""
@@ -553,30 +541,24 @@ class _MutationGuard:
         self.watched = []
         self._downgrade(storage, dirty, _AFTER_REGION)
 
-    def _downgrade(self, storage: dict[Any, dict[int, Any]], dirty: Mapping[int, str], moved: str) -> set[int]:
-        """Replace every entry whose storage is dirty or whose version moved by the recompute sentinel; returns the
-        storage ids of the entries still cached."""
-        internals = _sac_internals()
+    def _downgrade(self, storage: dict[Any, Any], dirty: Mapping[int, str], moved: str) -> set[int]:
+        """Drop every cached entry whose storage is dirty or whose version moved (recompute re-runs those calls);
+        returns the storage ids of the entries still cached."""
         kept: set[int] = set()
-        for key, entries in storage.items():
-            for index, entry in entries.items():
-                if entry is internals.recompute:
-                    continue
-                leaves = (entry,) if isinstance(entry, internals.version_wrapper) else tree_leaves(entry)
-                wrappers = [
-                    w for w in leaves if isinstance(w, internals.version_wrapper) and isinstance(w.val, torch.Tensor)
-                ]
-                if not wrappers:
-                    continue
-                ids = _storage_ids(wrappers[0].val if len(wrappers) == 1 else [w.val for w in wrappers])
-                cause = next((dirty[sid] for sid in ids if sid in dirty), None)
-                if cause is None and any(w.val._version != w.version for w in wrappers):
-                    cause = moved
-                if cause is None:
-                    kept |= ids
-                    continue
-                entries[index] = internals.recompute
-                self._report(key, cause)
+        dropped: list[tuple[CachedEntry, str]] = []
+        for entry in self.layout.cached(storage, self.forward_saved):
+            vals = [w.val for w in entry.wrappers]
+            ids = _storage_ids(vals[0] if len(vals) == 1 else vals)
+            cause = next((dirty[sid] for sid in ids if sid in dirty), None)
+            if cause is None and any(w.val._version != w.version for w in entry.wrappers):
+                cause = moved
+            if cause is None:
+                kept |= ids
+            else:
+                dropped.append((entry, cause))
+        self.layout.drop(storage, self.forward_saved, [entry for entry, _ in dropped])
+        for entry, cause in dropped:
+            self._report(entry.key, cause)
         return kept
 
     def _report(self, key: Any, cause: str) -> None:
@@ -623,25 +605,69 @@ def _record_downgrade(name: str, cause: str) -> None:
         )
 
 
-class _GuardedMode(TorchDispatchMode):
-    """Stands for one of torch's two selective-checkpoint modes (it is entered and left in its place: only torch's
-    own mode is ever pushed, so higher-order ops that look their mode up by exact type still find it) and runs the
-    guard when the forward exits or before the recompute starts. A TorchDispatchMode itself because torch.compile
-    requires ``context_fn`` to return two of them."""
+class _OutputObserver(TorchDispatchMode):
+    """Shows the guard each op's output, on torch versions whose policy runs before the op (no ``ctx.op_output``).
 
-    def __init__(self, inner: TorchDispatchMode, guard: _MutationGuard, *, forward: bool) -> None:
+    Pushed above torch's caching mode, so it sees the call first and its result last: the policy, asked by torch's
+    mode in between, leaves its decision in ``guard.pending``. Higher-order ops (FlexAttention, compiled regions) are
+    passed through to torch's mode, which has rules for them.
+    """
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, guard: _MutationGuard, output_seen: Callable[[Any], None] | None) -> None:
+        super().__init__()
+        self.guard = guard
+        self.output_seen = output_seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        self.guard.pending = None
+        out = func(*args, **kwargs)
+        saved, self.guard.pending = self.guard.pending, None
+        if saved is not None:
+            if self.output_seen is not None:
+                self.output_seen(out)
+            self.guard.observe(func, args, kwargs, out, saved)
+        return out
+
+
+class _GuardedMode(TorchDispatchMode):
+    """Stands for one of torch's two selective-checkpoint modes (it is entered and left in its place: torch's own
+    mode is pushed, so higher-order ops that look their mode up by exact type still find it) and runs the guard when
+    the forward exits or before the recompute starts. A TorchDispatchMode itself because torch.compile requires
+    ``context_fn`` to return two of them. ``observer``, when given, is pushed above torch's mode in the forward."""
+
+    def __init__(
+        self,
+        inner: TorchDispatchMode,
+        guard: _MutationGuard,
+        *,
+        forward: bool,
+        observer: _OutputObserver | None = None,
+    ) -> None:
         super().__init__()
         self.inner = inner
         self.guard = guard
         self.forward = forward
+        self.observer = observer
 
     def __enter__(self) -> _GuardedMode:
         if not self.forward:
             self.guard.before_recompute(self.inner.storage)
+            self.guard.recompute_calls.clear()
         self.inner.__enter__()
+        if self.observer is not None:
+            self.observer.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
+        if self.observer is not None:
+            self.observer.__exit__(exc_type, exc_value, traceback)
         result = self.inner.__exit__(exc_type, exc_value, traceback)
         if self.forward and exc_type is None:
             self.guard.after_forward(self.inner.storage)
@@ -660,7 +686,14 @@ class _GuardedMode(TorchDispatchMode):
         self.inner.ac_graph_id = value
 
 
-def mutation_safe_contexts(policy_fn: PolicyFn, *, trace: bool = False) -> ContextPair:
+POLICY_SEES_OUTPUT: bool = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+"""Whether torch asks the policy after the op ran, with ``ctx.op_output`` (torch 2.13+; public API). Otherwise
+(torch 2.11) :func:`mutation_safe_contexts` pushes an :class:`_OutputObserver` to see the outputs."""
+
+
+def mutation_safe_contexts(
+    policy_fn: PolicyFn, *, trace: bool = False, observe_outputs: bool | None = None
+) -> ContextPair:
     """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)``, except that backward never gets a
     cached output that was written in place after it was cached: such an entry is recomputed instead.
 
@@ -670,23 +703,39 @@ def mutation_safe_contexts(policy_fn: PolicyFn, *, trace: bool = False) -> Conte
     every non-view output sharing such a storage whose version moves (``torch.matmul``'s ``_unsafe_view``), and
     every change of a cached output's version counter downgrades that cache entry to recompute: at the exit of the
     checkpointed forward (the memory is released then) or, for writes after the region, right before recompute.
-    ``trace=True`` logs each unique downgrade on the ``remat.checkpointing.selective`` logger.
+    The policy is asked in the forward only; torch versions that ask again in the recompute get the forward's
+    decisions replayed. ``trace=True`` logs each unique downgrade on the ``remat.checkpointing.selective`` logger.
+    ``observe_outputs`` (default: when torch does not pass ``ctx.op_output``) sees the outputs through a dispatch
+    mode of its own instead of the policy's context.
     """
-    _sac_internals()
-    guard = _MutationGuard(trace)
+    layout = sac_layout()
+    guard = _MutationGuard(trace, layout)
+    observe = not POLICY_SEES_OUTPUT if observe_outputs is None else observe_outputs
+    replay = layout.policy_called_in_recompute
 
     def guarded_policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if ctx.is_recompute:
+            return guard.replayed(op)
         policy = policy_fn(ctx, op, *args, **kwargs)
         if isinstance(policy, bool):
             policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
         saved = policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
         if saved and _written_arguments(op):
             policy, saved = CheckpointPolicy.PREFER_RECOMPUTE, False
-        guard.observe(op, args, kwargs, ctx.op_output, saved)
+        if replay:
+            guard.forward_saved[op].append(saved)
+        if observe:
+            guard.pending = saved
+        else:
+            guard.observe(op, args, kwargs, ctx.op_output, saved)
         return policy
 
     forward, recompute = create_selective_checkpoint_contexts(guarded_policy)
-    return _GuardedMode(forward, guard, forward=True), _GuardedMode(recompute, guard, forward=False)
+    observer = _OutputObserver(guard, getattr(policy_fn, "output_seen", None)) if observe else None
+    return (
+        _GuardedMode(forward, guard, forward=True, observer=observer),
+        _GuardedMode(recompute, guard, forward=False),
+    )
 
 
 def selective_context_fn(
