@@ -70,14 +70,14 @@ class AutoModelForCausalLM:
         source = os.fspath(pretrained_model_name_or_path)
         fields, rest = _split_kwargs(hf_kwargs)
         policy = _check_setup(distributed_setup, activation_checkpointing)
-        setup = distributed_setup
         if not os.path.isdir(os.path.expanduser(source)) and source.strip().lower() in preset_names():
             cfg = _model_config(fields, preset=source, config=rest or None)
             rest = {}
         else:
             cfg = _model_config(fields, pretrained_model_name_or_path=source)
-        model = build_model(cfg, device=setup.device if setup else "cpu", pretrained_kwargs=rest)
-        return _prepare(model, setup, policy)
+        device = distributed_setup.device if distributed_setup else "cpu"
+        model = build_model(cfg, device=device, pretrained_kwargs=rest)
+        return _prepare(model, distributed_setup, policy)
 
     @classmethod
     def from_config(
@@ -95,8 +95,7 @@ class AutoModelForCausalLM:
             raise ConfigError(f"from_config: unexpected keyword argument(s) {', '.join(sorted(rest))}; allowed: "
                               f"{', '.join(_MODEL_FIELDS)}, distributed_setup, activation_checkpointing")
         policy = _check_setup(distributed_setup, activation_checkpointing)
-        setup = distributed_setup
-        device = setup.device if setup else "cpu"
+        device = distributed_setup.device if distributed_setup else "cpu"
         if isinstance(config, PretrainedConfig):
             cfg = _model_config(fields, config={"model_type": config.model_type})  # dtype & co. checked as usual
             config = copy.deepcopy(config)  # use_cache is switched off on the model's copy, not the caller's
@@ -111,7 +110,7 @@ class AutoModelForCausalLM:
         else:
             raise ConfigError(f"from_config: config must be a transformers PretrainedConfig, a mapping with "
                               f"model_type, or a remat.models.ModelConfig; got {type(config).__name__}")
-        return _prepare(model, setup, policy)
+        return _prepare(model, distributed_setup, policy)
 
 
 def _split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

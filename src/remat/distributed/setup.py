@@ -4,7 +4,8 @@ Strategies:
 - ``single``: one process, one device;
 - ``ddp``: every rank holds the whole model; gradients are all-reduced (``DistributedDataParallel``);
 - ``fsdp2``: parameters, gradients and optimizer state are sharded over the data-parallel ranks (``fully_shard``
-  per transformer block, per segment for segment checkpointing, and at the root), optionally with tensor parallelism inside the blocks (``tp_size``).
+  per transformer block, per segment for segment checkpointing, and at the root), optionally with tensor
+  parallelism inside the blocks (``tp_size``).
 
 ``parallelize`` applies, in this order: activation checkpointing (it wraps the transformer blocks), tensor
 parallelism, ``fully_shard`` per block then at the root (FSDP2), or the DDP wrapper. Processes are started by
