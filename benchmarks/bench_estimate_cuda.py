@@ -2,7 +2,7 @@
 
 For each setting (activation checkpointing none / selective / full, each with the plain and the fused loss), the
 estimate is made first (``target="cuda"``, on fake tensors), then the same step runs on the GPU, built from the very
-pieces the simulation uses (`remat.memory.simulate`: ``model_config_for``, ``parallelize``, ``build_loss``,
+pieces the simulation uses (`remat.estimate.simulate`: ``model_config_for``, ``parallelize``, ``build_loss``,
 ``build_optimizer``, ``make_batch``, ``training_step``), so both sides run the same code:
 
 1. build the model on the GPU, wrap it, build the optimizer;
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from remat.memory import LiveTensorTracker
-from remat.memory.estimate import estimate_memory, resolve_model
-from remat.memory.simulate import (
+from remat.estimate.api import estimate_memory, resolve_model
+from remat.estimate.simulate import (
     StepSettings,
     build_optimizer,
     make_batch,

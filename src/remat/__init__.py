@@ -6,7 +6,7 @@ The public API, re-exported here (nothing inside the package imports from this m
   recompute instead of store, per block, with full / selective / attention / mlp / every-n / sqrt / offload policies.
 - ``remat.loss.FusedLinearCrossEntropy`` and ``remat.loss.MaskedCrossEntropy``.
 - ``LiveTensorTracker`` and ``StepMemoryMeter`` (``remat.memory``): exact memory accounting;
-  ``estimate_memory(...) -> MemoryEstimate``: a training step's peak predicted on fake tensors.
+  ``estimate_memory(...) -> MemoryEstimate`` (``remat.estimate``): a training step's peak predicted on fake tensors.
 - ``DistributedSetup``: how the model is spread over processes, and the order savers are applied in.
 - ``build_model`` / ``ModelConfig`` (``remat.models``), ``FinetuneRecipe`` / ``load_recipe`` (``remat.recipes``).
 """
@@ -24,7 +24,8 @@ from remat import loss  # noqa: E402
 from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy  # noqa: E402
 from remat.distributed import DistributedSetup  # noqa: E402
 from remat.errors import CheckpointingError, ConfigError, RematError  # noqa: E402
-from remat.memory import LiveTensorTracker, MemoryEstimate, MemoryReading, StepMemoryMeter, estimate_memory  # noqa: E402
+from remat.estimate import MemoryEstimate, estimate_memory  # noqa: E402
+from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter  # noqa: E402
 from remat.models import ModelConfig, build_model  # noqa: E402
 from remat.recipes.finetune import FinetuneRecipe  # noqa: E402
 from remat.recipes.loader import load_recipe  # noqa: E402

@@ -11,9 +11,9 @@ import yaml
 
 from remat.cli import main
 from remat.errors import ConfigError
-from remat.memory.estimate import MemoryEstimate, estimate_memory, resolve_model, settings_from_recipe
-from remat.memory.report import comparison_table, parse_capacity, plot_breakdowns
-from remat.memory.simulate import StepSettings
+from remat.estimate.api import MemoryEstimate, estimate_memory, resolve_model, settings_from_recipe
+from remat.estimate.report import comparison_table, parse_capacity, plot_breakdowns
+from remat.estimate.simulate import StepSettings
 from remat.models import ModelConfig
 from remat.recipes.loader import validate_recipe
 

@@ -16,8 +16,8 @@ import torch
 from remat.checkpointing import apply_activation_checkpointing
 from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy
 from remat.memory import LiveTensorTracker
-from remat.memory.estimate import MemoryEstimate, estimate_memory
-from remat.memory.simulate import IGNORE_INDEX, StepSettings, make_batch
+from remat.estimate.api import MemoryEstimate, estimate_memory
+from remat.estimate.simulate import IGNORE_INDEX, StepSettings, make_batch
 from remat.models import ModelConfig, build_model
 from remat.recipes.model_loss import CausalLMLoss
 
@@ -115,7 +115,7 @@ def test_estimate_of_a_recipe_matches_its_tracked_training_steps(tmp_path: Any, 
     """`remat finetune`'s own `mem` figure (tracked, step 2: the optimizer state exists) against the estimate of the
     same recipe. The recipe trains on the builtin corpus, whose packed rows restart ``position_ids`` at document
     boundaries (transformers then builds a mask the simulated batch does not need): hence 3%, not equality."""
-    from remat.memory.estimate import settings_from_recipe
+    from remat.estimate.api import settings_from_recipe
     from remat.recipes.finetune import FinetuneRecipe
     from remat.recipes.loader import validate_recipe
 

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from remat.errors import ConfigError
 from remat.models import ModelConfig, build_model
-from remat.recipes import checkpoint_io
-from remat.recipes.checkpoint_io import (
+from remat.recipes.training_state import single as single_file_state
+from remat.recipes.training_state.single import (
     COMPLETE_MARKER,
     find_latest_checkpoint,
     is_complete_checkpoint,
@@ -176,7 +176,7 @@ def test_crash_while_writing_keeps_latest_on_the_previous_checkpoint(tmp_path: P
             raise OSError("disk full")
         real_save(obj, file, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_io.torch, "save", failing_save)
+    monkeypatch.setattr(single_file_state.torch, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, train_state={"step": 2})
     monkeypatch.undo()

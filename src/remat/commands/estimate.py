@@ -44,7 +44,7 @@ _FLAGS: tuple[tuple[str, str], ...] = (
 
 
 def register(subparsers: Any) -> None:
-    from remat.memory.simulate import STRATEGIES, TARGETS
+    from remat.estimate.simulate import STRATEGIES, TARGETS
     from remat.models import preset_names
 
     parser = subparsers.add_parser(
@@ -85,8 +85,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from remat.memory.estimate import estimate_memory
-    from remat.memory.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
+    from remat.estimate.api import estimate_memory
+    from remat.estimate.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
 
     capacity = parse_capacity(args.fits) if args.fits else None
     model, base = _base(args, overrides)
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
     """The model and the step the recipe (or preset / config and flags) describe."""
     from remat.errors import ConfigError
-    from remat.memory.estimate import resolve_model, settings_from_recipe
-    from remat.memory.simulate import StepSettings
+    from remat.estimate.api import resolve_model, settings_from_recipe
+    from remat.estimate.simulate import StepSettings
 
     flags = {name: _flag_value(name, getattr(args, flag)) for flag, name in _FLAGS if getattr(args, flag) is not None}
     if args.recipe is not None:
@@ -160,7 +160,7 @@ def _rows(args: argparse.Namespace, base: Any) -> list[tuple[str, Any]]:
 
 def _apply_setting(base: Any, spec: str) -> Any:
     from remat.errors import ConfigError
-    from remat.memory.simulate import StepSettings
+    from remat.estimate.simulate import StepSettings
 
     names = {f.name for f in dataclasses.fields(StepSettings)}
     changes: dict[str, Any] = {}

@@ -1,8 +1,8 @@
 """``estimate_memory``: the peak memory of a training step, predicted on fake tensors without a GPU.
 
-The step is simulated by `remat.memory.simulate.simulate_step` (the recipe's own model, checkpointing, loss,
+The step is simulated by `remat.estimate.simulate.simulate_step` (the recipe's own model, checkpointing, loss,
 optimizer and data-parallel wrapper, on fake tensors), then its allocations are replayed
-(`remat.memory.allocator_replay`):
+(`remat.estimate.replay`):
 
 - ``peak_bytes``: the peak of a step after the first (the optimizer state already exists), through PyTorch's CUDA
   caching-allocator rules when ``target="cuda"`` (what ``torch.cuda.max_memory_allocated`` reports), or in exact
@@ -28,8 +28,8 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from remat.errors import ConfigError
-from remat.memory.allocator_replay import replay
-from remat.memory.simulate import STRATEGIES, StepSettings, simulate_step
+from remat.estimate.replay import replay
+from remat.estimate.simulate import STRATEGIES, StepSettings, simulate_step
 from remat.models import ModelConfig, get_preset, preset_names, resolve_model_config
 
 logger = logging.getLogger(__name__)
@@ -100,8 +100,8 @@ class MemoryEstimate:
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self, *, capacity_bytes: int | None = None) -> str:
-        """A plain-text table of the breakdown at the peak (see `remat.memory.report` for rich output)."""
-        from remat.memory.report import breakdown_table
+        """A plain-text table of the breakdown at the peak (see `remat.estimate.report` for rich output)."""
+        from remat.estimate.report import breakdown_table
 
         return breakdown_table(self, capacity_bytes=capacity_bytes)
 

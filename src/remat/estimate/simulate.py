@@ -5,7 +5,7 @@ activation checkpointing and data-parallel wrapper through `remat.distributed.Di
 group for ``ddp`` / ``fsdp2``), computes the loss with `remat.recipes.model_loss.CausalLMLoss` exactly as the
 fine-tuning loop does, then runs backward, gradient clipping, the optimizer step (its state is created here) and
 ``zero_grad``, all inside a `LiveTensorTracker` whose listener records each allocation, free, resize and change of
-category. The recorded `StepTrace` is what `remat.memory.estimate` replays through an allocator model.
+category. The recorded `StepTrace` is what `remat.estimate.api` replays through an allocator model.
 
 Details that make the fake step the real one:
 
@@ -14,7 +14,7 @@ Details that make the fake step the real one:
   and transformers decides from the values of ``position_ids`` / ``attention_mask`` whether it must build a mask.
   Ops mixing real and fake tensors run fake. The batch's own bytes are counted (it lives on the device).
 - ``target="cuda"`` models a CUDA GPU: attention runs the kernel CUDA would pick, with its backward workspaces
-  (`remat.memory.simulate_attention`; counts include recomputations), and optimizers that accept ``foreach`` get ``foreach=True`` unless the
+  (`remat.estimate.attention`; counts include recomputations), and optimizers that accept ``foreach`` get ``foreach=True`` unless the
   caller chose (PyTorch's default for CUDA parameters; on CPU parameters it runs a per-parameter loop).
   ``target="cpu"`` runs what the CPU runs, so the figures equal a real CPU step's tracked peak.
 - DTensor's sharding propagation builds global-shape tensors to infer output shapes; on real tensors it does so in
@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from remat.checkpointing import parse_policy
 from remat.errors import ConfigError
-from remat.memory.simulate_attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
+from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
 from remat.memory.tracker import LiveTensorTracker
 from remat.models import ModelConfig, build_model
 

@@ -33,7 +33,7 @@ from remat.distributed import DistributedSetup, ProcessEnv, clip_grad_norm, vali
 from remat.errors import ConfigError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import build_model, count_parameters
-from remat.recipes.checkpoint_io import (
+from remat.recipes.training_state.single import (
     LAYOUT_SHARDED,
     checkpoint_layout,
     checkpoint_name,
@@ -41,7 +41,7 @@ from remat.recipes.checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
-from remat.recipes.checkpoint_sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from remat.recipes.training_state.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from remat.recipes.config import PeftConfig, RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import CausalLMLoss, count_label_tokens

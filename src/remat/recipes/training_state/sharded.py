@@ -1,6 +1,6 @@
 """Sharded training checkpoints with torch.distributed.checkpoint (DCP), for FSDP2 runs.
 
-Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.recipes.checkpoint_io`)::
+Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.recipes.training_state.single`)::
 
     dcp/                    model and optimizer state, each rank writing its own shards (DCP's format)
     model/                  the whole model in transformers' format (gathered to rank 0): AutoModelForCausalLM loads it
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PreTrainedModel
 
 from remat.errors import ConfigError
-from remat.recipes.checkpoint_io import (
+from remat.recipes.training_state.single import (
     LATEST_FILE,
     LAYOUT_SHARDED,
     MODEL_DIR,
@@ -133,7 +133,7 @@ def load_sharded_checkpoint(
     assert marker is not None
     if marker.get("layout") != LAYOUT_SHARDED:
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
-                          "remat.recipes.checkpoint_io.load_checkpoint")
+                          "remat.recipes.training_state.single.load_checkpoint")
     inner = _unwrap(model)
     model_state, optim_state = _state_dicts(inner, optimizer)
     state: dict[str, Any] = {"model": model_state}

@@ -15,7 +15,7 @@ Everything is written into ``<root>/.tmp-step_<N>-<pid>/``, flushed to disk, and
 step; then ``<root>/latest`` (one line: ``step_<N>``) is replaced atomically and older checkpoints beyond
 `keep_last` are removed. A crash at any point leaves `latest` on a complete checkpoint; temporary and
 incomplete directories are never picked up. One writer per root is assumed. The helpers are small so that a
-sharded (torch.distributed.checkpoint) variant, `remat.recipes.checkpoint_sharded`, reuses the directory protocol
+sharded (torch.distributed.checkpoint) variant, `remat.recipes.training_state.sharded`, reuses the directory protocol
 (its marker says layout "sharded"); `checkpoint_layout` tells the two apart.
 """
 
@@ -175,7 +175,7 @@ def load_checkpoint(
     if marker.get("layout", LAYOUT_SINGLE) != LAYOUT_SINGLE:
         raise ConfigError(
             f"checkpoint {path} is {marker.get('layout')} (torch.distributed.checkpoint, written by an fsdp2 run); "
-            "load it with remat.recipes.checkpoint_sharded.load_sharded_checkpoint, or use its model/ export as "
+            "load it with remat.recipes.training_state.sharded.load_sharded_checkpoint, or use its model/ export as "
             "model.pretrained_model_name_or_path."
         )
     inner = _unwrap(model)

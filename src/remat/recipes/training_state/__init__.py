@@ -1,0 +1,1 @@
+"""Saved training state (not activation checkpointing): single-file and sharded layouts."""
