@@ -1,9 +1,9 @@
 """On a CUDA GPU: ``torch.cuda.max_memory_allocated`` of a training step against `remat.estimate_memory`.
 
 For each setting (activation checkpointing none / selective / full, each with the plain and the fused loss), the
-estimate is made first (``target="cuda"``, on fake tensors), then the same step runs on the GPU, built from the very
-pieces the simulation uses (`remat.estimate.simulate`: ``model_config_for``, ``parallelize``, ``build_loss``,
-``build_optimizer``, ``make_batch``, ``training_step``), so both sides run the same code:
+estimate is made first (``target="cuda"``, on fake tensors), then the same step runs on the GPU, built and run by the
+very functions the recipe and the simulation use (`remat.recipes.build`, `remat.recipes.step.train_step`, and the
+simulation's ``make_batch``), so all three run the same code:
 
 1. build the model on the GPU, wrap it, build the optimizer;
 2. step 1 (creates the optimizer state, warms up cuBLAS);
@@ -37,17 +37,13 @@ from typing import Any
 
 import torch
 
-from remat.memory import LiveTensorTracker
+from remat.distributed import DistributedSetup
 from remat.estimate.api import estimate_memory, resolve_model
-from remat.estimate.simulate import (
-    StepSettings,
-    build_optimizer,
-    make_batch,
-    model_config_for,
-    parallelize,
-    training_step,
-)
-from remat.models import build_model
+from remat.estimate.settings import StepSettings
+from remat.estimate.simulate import make_batch
+from remat.memory import LiveTensorTracker
+from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+from remat.recipes.step import step_label_tokens, train_step
 
 GIB = 2**30
 POLICIES = ("none", "selective", "full")
@@ -57,28 +53,37 @@ LOSSES = ("plain", "fused")
 def measure(model_name: str, settings: StepSettings, device: torch.device) -> dict[str, int]:
     """Run two steps of ``settings`` on ``device``; the figures of the second one (CUDA statistics on a GPU, the
     exact tracked peak on the CPU)."""
-    cfg = model_config_for(resolve_model(model_name), settings)
+    recipe = settings.to_recipe(resolve_model(model_name))
     torch.manual_seed(0)
-    net = build_model(cfg, vocab_size=settings.vocab_size, device=device)
-    root, _, _ = parallelize(net, settings, device=device)
-    params = [p for p in root.parameters() if p.requires_grad]
-    optimizer = build_optimizer(settings, params)
-    batch = {k: v.to(device) for k, v in make_batch(settings, net.config.get_text_config().vocab_size).items()}
-    training_step(root, optimizer, batch, settings, params)
+    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
+                                   device=device)
+    net = build_recipe_model(recipe, vocab_size=settings.vocab_size, device=str(device))
+    root = build_training_module(net, recipe, setup)
+    params = list(net.parameters())
+    optimizer = build_optimizer(recipe, [p for p in params if p.requires_grad])
+    batch = make_batch(recipe, settings.run(), net.config.get_text_config().vocab_size)
+    batches = [{k: v.to(device) for k, v in batch.items()}] * settings.grad_accumulation
+    label_tokens = step_label_tokens(batches, setup)
+
+    def training_step() -> None:
+        train_step(root, params, optimizer, batches, setup=setup, label_tokens=label_tokens,
+                   autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm)
+
+    training_step()
     if device.type == "cpu":
         with LiveTensorTracker(module=root, optimizer=optimizer) as tracker:
             before = tracker.current_bytes
-            training_step(root, optimizer, batch, settings, params)
+            training_step()
         return {"max_memory_allocated": tracker.peak_bytes, "allocated_before_step": before,
                 "max_memory_reserved": 0}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    training_step(root, optimizer, batch, settings, params)
+    training_step()
     torch.cuda.synchronize()
     figures = {"max_memory_allocated": torch.cuda.max_memory_allocated(), "allocated_before_step": before,
                "max_memory_reserved": torch.cuda.max_memory_reserved()}
-    del net, root, params, optimizer, batch
+    del net, root, params, optimizer, batch, batches
     gc.collect()
     torch.cuda.empty_cache()
     return figures

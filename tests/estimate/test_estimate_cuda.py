@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from remat.memory import LiveTensorTracker
 from remat.estimate.api import estimate_memory
-from remat.estimate.simulate import StepSettings
+from remat.estimate.settings import StepSettings
 from remat.estimate.attention import backward_workspace, cuda_attention_kernel
 from remat.models import ModelConfig
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 from remat.estimate.allocator import CachingAllocatorModel
 from remat.estimate.api import MemoryEstimate, estimate_memory, resolve_model, settings_from_recipe
 from remat.estimate.replay import ESTIMATE_CATEGORIES
-from remat.estimate.simulate import StepSettings, simulate_step
+from remat.estimate.settings import StepSettings
+from remat.estimate.simulate import SimulatedRun, simulate_step
 
 __all__ = [
     "ESTIMATE_CATEGORIES",
     "CachingAllocatorModel",
     "MemoryEstimate",
+    "SimulatedRun",
     "StepSettings",
     "estimate_memory",
     "resolve_model",

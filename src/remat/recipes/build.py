@@ -40,8 +40,8 @@ def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str | None = None) -> nn.Module:
-    """The recipe's model (with LoRA adapters when it has a ``peft`` section)."""
+def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu") -> nn.Module:
+    """The recipe's model on ``device`` (with LoRA adapters when it has a ``peft`` section)."""
     model = build_model(cfg.model, vocab_size=vocab_size, device=device)
     return apply_lora(model, cfg.peft) if cfg.peft is not None else model
 
