@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import platform
@@ -65,9 +66,9 @@ def measure(model_name: str, settings: StepSettings, device: torch.device) -> di
     batches = [{k: v.to(device) for k, v in batch.items()}] * settings.grad_accumulation
     label_tokens = step_label_tokens(batches, setup)
 
-    def training_step() -> None:
-        train_step(root, params, optimizer, batches, setup=setup, label_tokens=label_tokens,
-                   autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm)
+    training_step = functools.partial(train_step, root, params, optimizer, batches, setup=setup,
+                                      label_tokens=label_tokens, autocast_dtype=recipe.model.autocast,
+                                      max_norm=recipe.clip_grad_norm.max_norm)
 
     training_step()
     if device.type == "cpu":
@@ -83,7 +84,7 @@ def measure(model_name: str, settings: StepSettings, device: torch.device) -> di
     torch.cuda.synchronize()
     figures = {"max_memory_allocated": torch.cuda.max_memory_allocated(), "allocated_before_step": before,
                "max_memory_reserved": torch.cuda.max_memory_reserved()}
-    del net, root, params, optimizer, batch, batches
+    del training_step, net, root, params, optimizer, batch, batches
     gc.collect()
     torch.cuda.empty_cache()
     return figures

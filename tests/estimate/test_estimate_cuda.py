@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from remat.memory import LiveTensorTracker
 from remat.estimate.api import estimate_memory
-from remat.estimate.settings import StepSettings
 from remat.estimate.attention import backward_workspace, cuda_attention_kernel
+from remat.estimate.settings import StepSettings
+from remat.memory import LiveTensorTracker
 from remat.models import ModelConfig
 
 _aten = torch.ops.aten

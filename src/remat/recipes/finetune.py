@@ -32,21 +32,13 @@ from remat.distributed import ProcessEnv, validate_settings
 from remat.errors import ConfigError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
-from remat.recipes.training_state.single import (
-    LAYOUT_SHARDED,
-    checkpoint_layout,
-    checkpoint_name,
-    find_latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from remat.recipes.training_state.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.step import autocast, step_label_tokens, train_step
+from remat.recipes.training_state import find_latest_checkpoint, state_store, store_for_saved
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
 
@@ -232,27 +224,13 @@ class FinetuneRecipe:
             "model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
             "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,
         }
-        if self.dist.strategy == "fsdp2":
-            path = save_sharded_checkpoint(self.checkpoint_dir, self.step, **arguments)
-        else:
-            path = self.checkpoint_dir / checkpoint_name(self.step)
-            if self.dist.is_main_process:
-                path = save_checkpoint(self.checkpoint_dir, self.step, **arguments)
-            self.dist.barrier()
+        path = state_store(self.dist).save(self.checkpoint_dir, self.step, **arguments)
         reporter.info(f"saved checkpoint {path}")
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
-        if checkpoint_layout(path) == LAYOUT_SHARDED:
-            return load_sharded_checkpoint(path, **states)
-        if self.dist.strategy == "fsdp2":
-            raise ConfigError(
-                f"checkpoint.resume: {path} was written by a single-process or ddp run, which fsdp2 cannot resume; "
-                "allowed: resume it with distributed.strategy ddp or single, or start from its model/ export as "
-                "model.pretrained_model_name_or_path"
-            )
-        return load_checkpoint(path, **states)
+        return store_for_saved(path, self.dist).load(path, **states)
 
     def _report_setup(self, reporter: RunReporter) -> None:
         total, trainable = count_parameters(self.model), sum(
