@@ -2,5 +2,5 @@
 
 import os
 
-# Before torch is imported anywhere in the test session: see the note in remat/__init__.py.
+# Before torch is imported anywhere in the test session: see the note in remat/cli.py.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
