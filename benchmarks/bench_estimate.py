@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from remat.memory.estimate import estimate_memory
-from remat.memory.simulate import StepSettings
+from remat.estimate.api import estimate_memory
+from remat.estimate.settings import StepSettings
 
 GIB = 2**30
 SEED_GIB = {"baseline": 53.03, "+ FSDP (dp 8)": 47.59, "+ checkpointing": 33.06, "+ LC-CE (= all three)": 7.30}

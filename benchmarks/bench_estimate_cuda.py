@@ -1,9 +1,9 @@
 """On a CUDA GPU: ``torch.cuda.max_memory_allocated`` of a training step against `remat.estimate_memory`.
 
 For each setting (activation checkpointing none / selective / full, each with the plain and the fused loss), the
-estimate is made first (``target="cuda"``, on fake tensors), then the same step runs on the GPU, built from the very
-pieces the simulation uses (`remat.memory.simulate`: ``model_config_for``, ``parallelize``, ``build_loss``,
-``build_optimizer``, ``make_batch``, ``training_step``), so both sides run the same code:
+estimate is made first (``target="cuda"``, on fake tensors), then the same step runs on the GPU, built and run by the
+very functions the recipe and the simulation use (`remat.recipes.build`, `remat.recipes.step.train_step`, and the
+simulation's ``make_batch``), so all three run the same code:
 
 1. build the model on the GPU, wrap it, build the optimizer;
 2. step 1 (creates the optimizer state, warms up cuBLAS);
@@ -27,27 +27,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import platform
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from remat.distributed import DistributedSetup
+from remat.estimate.api import estimate_memory, resolve_model
+from remat.estimate.settings import StepSettings
+from remat.estimate.simulate import make_batch
 from remat.memory import LiveTensorTracker
-from remat.memory.estimate import estimate_memory, resolve_model
-from remat.memory.simulate import (
-    StepSettings,
-    build_optimizer,
-    make_batch,
-    model_config_for,
-    parallelize,
-    training_step,
-)
-from remat.models import build_model
+from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+from remat.recipes.step import step_label_tokens, train_step
 
 GIB = 2**30
 POLICIES = ("none", "selective", "full")
@@ -55,54 +53,57 @@ LOSSES = ("plain", "fused")
 
 
 class RealStep(NamedTuple):
-    """The pieces of one training step built on a real device, as the simulation builds them on fake tensors."""
+    """The pieces of one training step built on a real device by the recipe's own build (``remat.recipes.build``)."""
 
     net: torch.nn.Module
     root: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    batch: dict[str, torch.Tensor]
     params: list[torch.nn.Parameter]
-    settings: StepSettings
     plan: str | None
     """The checkpointing plan's summary (None when nothing is checkpointed)."""
-
-    def run(self) -> None:
-        """One fwd + bwd + clip + optimizer step (`remat.memory.simulate.training_step`)."""
-        training_step(self.root, self.optimizer, self.batch, self.settings, self.params)
+    run: Callable[[], Any]
+    """One fwd + bwd + clip + optimizer step: the recipe's own ``remat.recipes.step.train_step``."""
 
 
 def build_step(model_name: str, settings: StepSettings, device: torch.device) -> RealStep:
-    """Model (seeded weights), checkpointing and loss wrapper, optimizer and batch of ``settings`` on ``device``."""
-    cfg = model_config_for(resolve_model(model_name), settings)
+    """Model (seeded weights), checkpointing and loss module, optimizer and batch of ``settings`` on ``device``."""
+    recipe = settings.to_recipe(resolve_model(model_name))
     torch.manual_seed(0)
-    net = build_model(cfg, vocab_size=settings.vocab_size, device=device)
-    root, _, plan = parallelize(net, settings, device=device)
-    params = [p for p in root.parameters() if p.requires_grad]
-    optimizer = build_optimizer(settings, params)
-    batch = {k: v.to(device) for k, v in make_batch(settings, net.config.get_text_config().vocab_size).items()}
-    return RealStep(net, root, optimizer, batch, params, settings, plan)
+    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
+                                   device=device)
+    net = build_recipe_model(recipe, vocab_size=settings.vocab_size, device=str(device))
+    root = build_training_module(net, recipe, setup)
+    params = list(net.parameters())
+    optimizer = build_optimizer(recipe, [p for p in params if p.requires_grad])
+    batch = make_batch(recipe, settings.run(), net.config.get_text_config().vocab_size)
+    batches = [{k: v.to(device) for k, v in batch.items()}] * settings.grad_accumulation
+    label_tokens = step_label_tokens(batches, setup)
+    run = functools.partial(train_step, root, params, optimizer, batches, setup=setup, label_tokens=label_tokens,
+                            autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm)
+    plan = setup.plan.summary() if setup.plan is not None and setup.plan.layers else None
+    return RealStep(net, root, optimizer, params, plan, run)
 
 
 def measure(model_name: str, settings: StepSettings, device: torch.device) -> dict[str, int]:
     """Run two steps of ``settings`` on ``device``; the figures of the second one (CUDA statistics on a GPU, the
     exact tracked peak on the CPU)."""
     step = build_step(model_name, settings, device)
-    root, optimizer, batch, params = step.root, step.optimizer, step.batch, step.params
-    step.run()
+    root, optimizer, params, training_step = step.root, step.optimizer, step.params, step.run
+    training_step()
     if device.type == "cpu":
         with LiveTensorTracker(module=root, optimizer=optimizer) as tracker:
             before = tracker.current_bytes
-            training_step(root, optimizer, batch, settings, params)
+            training_step()
         return {"max_memory_allocated": tracker.peak_bytes, "allocated_before_step": before,
                 "max_memory_reserved": 0}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    training_step(root, optimizer, batch, settings, params)
+    training_step()
     torch.cuda.synchronize()
     figures = {"max_memory_allocated": torch.cuda.max_memory_allocated(), "allocated_before_step": before,
                "max_memory_reserved": torch.cuda.max_memory_reserved()}
-    del step, root, params, optimizer, batch
+    del step, training_step, root, params, optimizer
     gc.collect()
     torch.cuda.empty_cache()
     return figures

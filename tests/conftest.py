@@ -8,7 +8,7 @@ are visible, and are skipped with a reason that names the count otherwise.
 
 import os
 
-# Before torch is imported anywhere in the test session: see the note in remat/__init__.py.
+# Before torch is imported anywhere in the test session: see the note in remat/cli.py.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402

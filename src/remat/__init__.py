@@ -6,7 +6,7 @@ The public API, re-exported here (nothing inside the package imports from this m
   recompute instead of store, per block, with full / selective / attention / mlp / every-n / sqrt / offload policies.
 - ``remat.loss.FusedLinearCrossEntropy`` and ``remat.loss.MaskedCrossEntropy``.
 - ``LiveTensorTracker`` and ``StepMemoryMeter`` (``remat.memory``): exact memory accounting;
-  ``estimate_memory(...) -> MemoryEstimate``: a training step's peak predicted on fake tensors.
+  ``estimate_memory(...) -> MemoryEstimate`` (``remat.estimate``): a training step's peak predicted on fake tensors.
 - ``DistributedSetup``: how the model is spread over processes, and the order savers are applied in.
 - ``AutoModelForCausalLM.from_pretrained(path_or_hub_id_or_preset, distributed_setup=...)`` / ``.from_config``:
   build a model and apply the setup's checkpointing and parallelism in one call (the plan in ``model.remat_plan``).
@@ -15,22 +15,31 @@ The public API, re-exported here (nothing inside the package imports from this m
 
 from __future__ import annotations
 
-import os
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# OpenMP's default active spin-wait collapses torch's CPU threads when another process holds a core: measured on a
-# 2-core machine, a tiny Llama forward+backward went from 0.42 s to 4.4 s with 2 threads. A passive wait costs little
-# when the cores are free. It must be set before torch loads OpenMP; a value the user set is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from remat import loss  # noqa: E402
-from remat.auto import AutoModelForCausalLM  # noqa: E402
-from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy  # noqa: E402
-from remat.distributed import DistributedSetup  # noqa: E402
-from remat.errors import CheckpointingError, ConfigError, RematError  # noqa: E402
-from remat.memory import LiveTensorTracker, MemoryEstimate, MemoryReading, StepMemoryMeter, estimate_memory  # noqa: E402
-from remat.models import ModelConfig, build_model  # noqa: E402
-from remat.recipes.finetune import FinetuneRecipe  # noqa: E402
-from remat.recipes.loader import load_recipe  # noqa: E402
+# Names are imported on first use (PEP 562), so that `import remat` (and `remat.cli`, which sets OMP_WAIT_POLICY
+# before torch loads) neither loads torch nor changes the process's environment.
+_EXPORTS: dict[str, str] = {
+    "AutoModelForCausalLM": "remat.auto",
+    "CheckpointPlan": "remat.checkpointing",
+    "CheckpointPolicy": "remat.checkpointing",
+    "apply_activation_checkpointing": "remat.checkpointing",
+    "parse_policy": "remat.checkpointing",
+    "DistributedSetup": "remat.distributed",
+    "CheckpointingError": "remat.errors",
+    "ConfigError": "remat.errors",
+    "RematError": "remat.errors",
+    "MemoryEstimate": "remat.estimate",
+    "estimate_memory": "remat.estimate",
+    "LiveTensorTracker": "remat.memory",
+    "MemoryReading": "remat.memory",
+    "StepMemoryMeter": "remat.memory",
+    "ModelConfig": "remat.models",
+    "build_model": "remat.models",
+    "FinetuneRecipe": "remat.recipes.finetune",
+    "load_recipe": "remat.recipes.loader",
+}
 
 __version__ = "0.1.0"
 
@@ -56,3 +65,30 @@ __all__ = [
     "loss",
     "parse_policy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "loss":
+        return importlib.import_module("remat.loss")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from remat import loss
+    from remat.auto import AutoModelForCausalLM
+    from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy
+    from remat.distributed import DistributedSetup
+    from remat.errors import CheckpointingError, ConfigError, RematError
+    from remat.estimate import MemoryEstimate, estimate_memory
+    from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter
+    from remat.models import ModelConfig, build_model
+    from remat.recipes.finetune import FinetuneRecipe
+    from remat.recipes.loader import load_recipe

@@ -14,7 +14,7 @@ import pytest
 from remat.cli import build_parser, main
 from remat.distributed.launch import LaunchOptions, check_launch_environment
 from remat.errors import ConfigError
-from remat.recipes.checkpoint_io import checkpoint_layout, find_latest_checkpoint
+from remat.recipes.training_state import checkpoint_layout, find_latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP2_EXAMPLE = ROOT / "examples" / "fsdp2_quickstart.yaml"

@@ -14,8 +14,8 @@ from conftest import run_worker
 from dist_recipes import tiny_recipe
 from transformers import AutoModelForCausalLM
 
-from remat.recipes.checkpoint_io import checkpoint_layout, list_checkpoints
-from remat.recipes.checkpoint_sharded import load_sharded_checkpoint
+from remat.recipes.training_state import checkpoint_layout, list_checkpoints
+from remat.recipes.training_state.sharded import load_sharded_checkpoint
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 

@@ -62,8 +62,9 @@ CASES = [
      ["optimizer.learning_rate: unknown argument", "did you mean 'lr'"]),
     ("optimizer-params", with_("optimizer.params", [1]), ["optimizer.params: set by remat itself"]),
     ("loss-kwarg-typo", with_("loss_fn.ignore_idx", -1), ["loss_fn.ignore_idx: unknown argument", "ignore_index"]),
-    ("fused-without-hidden-states", with_("loss_fn._target_", "remat.loss.FusedLinearCrossEntropy"),
-     ["loss_fn: FusedLinearCrossEntropy", "model.output_hidden_states: true"]),
+    ("hidden-states-contradict-the-loss", with_("model.output_hidden_states", True),
+     ["model.output_hidden_states: true contradicts loss_fn._target_ 'remat.loss.MaskedCrossEntropy'",
+      "consumes logits", "allowed: false, or leave the key out"]),
     ("model-missing", with_("model", DELETE), ["model: required key is missing"]),
     ("model-no-source", with_("model", {"dtype": "float32"}), ["model"]),
     ("model-dtype", with_("model.dtype", "float8"), ["model.dtype", "'float8'", "'float32', 'bfloat16' or 'float16'"]),
@@ -194,3 +195,24 @@ def test_warmup_longer_than_the_run_is_said(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level("WARNING", logger="remat.recipes.loader"):
         validate_recipe(recipe)
     assert "lr_scheduler.warmup_steps (10) is more than step_scheduler.max_steps (3)" in caplog.text
+
+
+@pytest.mark.parametrize(("loss", "stated"), [("MaskedCrossEntropy", None), ("MaskedCrossEntropy", False),
+                                             ("FusedLinearCrossEntropy", None), ("FusedLinearCrossEntropy", True)])
+def test_the_model_outputs_follow_from_what_the_loss_consumes(loss: str, stated: bool | None) -> None:
+    data = with_("loss_fn._target_", f"remat.loss.{loss}")
+    if stated is not None:  # the old key, when it agrees with the loss, is accepted
+        data["model"]["output_hidden_states"] = stated
+    cfg = validate_recipe(data)
+    assert cfg.model.output_hidden_states is (loss == "FusedLinearCrossEntropy")
+
+
+def test_the_checkpointing_policy_is_parsed_once_and_carried_typed() -> None:
+    from remat.checkpointing import CheckpointPolicy
+
+    cfg = validate_recipe(with_("distributed.activation_checkpointing", {"mode": "full", "every_n_layers": 2}))
+    policy = cfg.distributed.activation_checkpointing
+    assert isinstance(policy, CheckpointPolicy) and (policy.mode, policy.every_n_layers) == ("full", 2)
+    dumped = cfg.model_dump(mode="json", by_alias=True)
+    assert dumped["distributed"]["activation_checkpointing"] == {"mode": "full", "every_n_layers": 2}
+    assert validate_recipe(dumped).distributed.activation_checkpointing == policy  # a saved config reloads

@@ -30,7 +30,7 @@ SHELL = {"command": "touch PWNED"}
 # (target, fragment of the error) for targets that would run a command or load a file if they were called.
 HOSTILE: list[tuple[str, str]] = [
     ("torch.os.system", "reaches the module 'os' through an attribute of 'torch'"),
-    ("remat.os.system", "reaches the module 'os' through an attribute of 'remat'"),
+    ("remat.os.system", "os'"),  # remat's __init__ no longer imports os: no such module, never imported
     ("peft.os.system", "os'"),  # reached through an attribute, or no such module: never imported either way
     ("transformers.os.system", "os'"),
     ("torch.serialization.os.system", "reaches the module 'os'"),

@@ -46,12 +46,12 @@ def test_override_reaches_the_validated_config(recipe: Path) -> None:
     cfg = load_recipe(recipe, ["--step_scheduler.max_steps", "10",
                                "--distributed.activation_checkpointing", "selective"])
     assert cfg.step_scheduler.max_steps == 10
-    assert cfg.distributed.activation_checkpointing == "selective"
+    assert cfg.distributed.activation_checkpointing.mode == "selective"  # parsed into the typed policy
 
 
 def test_override_with_mapping_policy(recipe: Path) -> None:
     cfg = load_recipe(recipe, ["--distributed.activation_checkpointing={mode: full, every_n_layers: 2}"])
-    assert cfg.distributed.activation_checkpointing == {"mode": "full", "every_n_layers": 2}
+    assert cfg.distributed.activation_checkpointing.to_dict() == {"mode": "full", "every_n_layers": 2}
 
 
 def test_unknown_override_key_is_named(recipe: Path) -> None:

@@ -44,8 +44,13 @@ _FLAGS: tuple[tuple[str, str], ...] = (
 
 
 def register(subparsers: Any) -> None:
-    from remat.memory.simulate import STRATEGIES, TARGETS
+    from typing import get_args
+
+    from remat.distributed import MIXED_PRECISION, STRATEGIES
+    from remat.estimate.settings import LOSS_TARGETS
+    from remat.estimate.simulate import TARGETS
     from remat.models import preset_names
+    from remat.models.config import AutocastDtype, ParamDtype
 
     parser = subparsers.add_parser(
         NAME, help="predict the peak memory of a training step (no GPU needed)", description=DESCRIPTION,
@@ -59,16 +64,16 @@ def register(subparsers: Any) -> None:
                                      "no checkpointing, plain loss, AdamW, one process, CUDA)")
     step.add_argument("--batch-size", type=int, help="micro-batch per rank")
     step.add_argument("--seq-length", type=int, help="tokens per row")
-    step.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="parameter dtype")
-    step.add_argument("--autocast", choices=("bfloat16", "float16", "none"), help="autocast dtype, or none")
+    step.add_argument("--dtype", choices=get_args(ParamDtype), help="parameter dtype")
+    step.add_argument("--autocast", choices=(*get_args(AutocastDtype), "none"), help="autocast dtype, or none")
     step.add_argument("--policy", help="activation checkpointing, as in a recipe: none, full, selective, attention, "
                                        "mlp, sqrt, or a YAML mapping such as '{mode: full, every_n_layers: 2}'")
-    step.add_argument("--loss", choices=("plain", "fused"), help="plain cross-entropy on logits, or the fused "
+    step.add_argument("--loss", choices=tuple(LOSS_TARGETS), help="plain cross-entropy on logits, or the fused "
                                                                  "linear cross-entropy")
     step.add_argument("--optimizer", help="optimizer class (default torch.optim.AdamW)")
     step.add_argument("--strategy", choices=STRATEGIES, help="single, ddp or fsdp2")
     step.add_argument("--world-size", type=int, help="data-parallel ranks (ddp / fsdp2)")
-    step.add_argument("--mixed-precision", choices=("bfloat16", "float16", "float32"),
+    step.add_argument("--mixed-precision", choices=MIXED_PRECISION,
                       help="FSDP2 compute dtype of the gathered parameters (fsdp2 only)")
     step.add_argument("--grad-accumulation", type=int, help="micro-batches per optimizer step")
     step.add_argument("--documents-per-row", type=int,
@@ -85,8 +90,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from remat.memory.estimate import estimate_memory
-    from remat.memory.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
+    from remat.estimate.api import estimate_memory
+    from remat.estimate.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
 
     capacity = parse_capacity(args.fits) if args.fits else None
     model, base = _base(args, overrides)
@@ -115,8 +120,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
     """The model and the step the recipe (or preset / config and flags) describe."""
     from remat.errors import ConfigError
-    from remat.memory.estimate import resolve_model, settings_from_recipe
-    from remat.memory.simulate import StepSettings
+    from remat.estimate.api import resolve_model, settings_from_recipe
+    from remat.estimate.settings import StepSettings
 
     flags = {name: _flag_value(name, getattr(args, flag)) for flag, name in _FLAGS if getattr(args, flag) is not None}
     if args.recipe is not None:
@@ -160,9 +165,9 @@ def _rows(args: argparse.Namespace, base: Any) -> list[tuple[str, Any]]:
 
 def _apply_setting(base: Any, spec: str) -> Any:
     from remat.errors import ConfigError
-    from remat.memory.simulate import StepSettings
+    from remat.estimate.settings import StepSettings
 
-    names = {f.name for f in dataclasses.fields(StepSettings)}
+    names = {f.name for f in dataclasses.fields(StepSettings) if f.name != "base"}
     changes: dict[str, Any] = {}
     for item in _split_top_level(spec):
         key, sep, raw = item.partition("=")

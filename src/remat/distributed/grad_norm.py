@@ -44,6 +44,12 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
 def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float | None, norm_type: float = 2.0) -> float:
     """Scale the gradients so that their total norm is at most ``max_norm`` (None: only measure); returns the norm
     before clipping."""
+    return float(clip_grad_norm_tensor(parameters, max_norm, norm_type))
+
+
+def clip_grad_norm_tensor(parameters: Iterable[Tensor], max_norm: float | None, norm_type: float = 2.0) -> Tensor:
+    """`clip_grad_norm` returning the norm as a tensor: no host synchronisation, so it also runs on fake tensors
+    (the memory estimate simulates the training step with it)."""
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(params, norm_type)
     if max_norm is not None and params:
@@ -53,4 +59,4 @@ def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float | None, norm_ty
         for group in by_mesh.values():
             device_total = total.to(group[0].grad.device)
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, device_total)
-    return float(total)
+    return total

@@ -7,15 +7,39 @@ validation errors into messages that name the dotted key, the given value and wh
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
+from remat.checkpointing import CheckpointPolicy, parse_policy
 from remat.config_base import StrictModel
 from remat.data.config import DatasetConfig, TokenizerConfig
+from remat.distributed import MIXED_PRECISION, STRATEGIES
+from remat.distributed.env import DEVICE_CHOICES
 from remat.models.config import ModelConfig
 
-ActivationCheckpointingValue = bool | str | dict[str, Any]
+
+def _parse_checkpointing(value: Any) -> CheckpointPolicy:
+    return parse_policy(value, key="distributed.activation_checkpointing")
+
+
+TypedPolicy = Annotated[
+    CheckpointPolicy,
+    PlainValidator(_parse_checkpointing),
+    PlainSerializer(lambda policy: policy.to_dict()),
+]
+"""``distributed.activation_checkpointing``: any spelling `remat.checkpointing.parse_policy` accepts (true, "full",
+a mapping, ...), parsed once when the recipe is validated and carried as a `CheckpointPolicy` from then on (written
+back as its mapping by model_dump, e.g. the config saved with training state)."""
 
 
 class TargetConfig(StrictModel):
@@ -43,7 +67,8 @@ class OptimizerConfig(TargetConfig):
 
 class LossConfig(TargetConfig):
     """``loss_fn``: ``remat.loss.MaskedCrossEntropy`` (logits) or ``remat.loss.FusedLinearCrossEntropy`` (hidden
-    states + output weight, never materialising the logits; needs ``model.output_hidden_states: true``)."""
+    states + output weight, never materialising the logits). The loss class declares what it consumes
+    (`remat.loss.loss_input`), and the model's outputs follow from it."""
 
     target: str = Field(default="remat.loss.MaskedCrossEntropy", alias="_target_")
 
@@ -97,23 +122,15 @@ class DistributedConfig(StrictModel):
     GPUs (NCCL; an error when there are fewer GPUs than processes per node).
     """
 
-    strategy: Literal["single", "ddp", "fsdp2"] = "single"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    activation_checkpointing: ActivationCheckpointingValue = False
+    strategy: Literal[STRATEGIES] = "single"  # type: ignore[valid-type]
+    device: Literal[DEVICE_CHOICES] = "auto"  # type: ignore[valid-type]
+    activation_checkpointing: TypedPolicy = Field(default_factory=lambda: parse_policy(False))
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
     cp_size: PositiveInt = 1
-    mixed_precision: Literal["bfloat16", "float16", "float32"] | None = None
+    mixed_precision: Literal[MIXED_PRECISION] | None = None  # type: ignore[valid-type]
     cpu_offload: bool = False
     fsdp_reduce_every_micro_batch: bool = True
-
-    @field_validator("activation_checkpointing")
-    @classmethod
-    def _policy_parses(cls, value: ActivationCheckpointingValue) -> ActivationCheckpointingValue:
-        from remat.checkpointing import parse_policy
-
-        parse_policy(value, key="distributed.activation_checkpointing")
-        return value
 
 
 class CheckpointConfig(StrictModel):

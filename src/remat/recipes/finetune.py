@@ -27,29 +27,21 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch import nn
 
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
 from remat.data.loader import collate
-from remat.distributed import DistributedSetup, ProcessEnv, clip_grad_norm, validate_settings
+from remat.distributed import ProcessEnv, validate_settings
 from remat.errors import ConfigError, TrainingDivergedError
 from remat.memory import StepMemoryMeter, max_over_ranks
-from remat.models import build_model, count_parameters
-from remat.recipes.checkpoint_io import (
-    LAYOUT_SHARDED,
-    checkpoint_layout,
-    checkpoint_name,
-    find_latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from remat.recipes.checkpoint_sharded import load_sharded_checkpoint, save_sharded_checkpoint
-from remat.recipes.config import PeftConfig, RecipeConfig
+from remat.models import count_parameters
+from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
+from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
+from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.run_report import write_run_report
-from remat.recipes.model_loss import CausalLMLoss, count_label_tokens
 from remat.recipes.reporting import RunReporter, StepRecord
-from remat.recipes.targets import LOSS, OPTIMIZER, build_target
+from remat.recipes.step import autocast, step_label_tokens, train_step
+from remat.recipes.training_state import find_latest_checkpoint, state_store, store_for_saved
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
 
@@ -89,8 +81,7 @@ class FinetuneRecipe:
         self._stop_reason: str | None = None
         self._stop_signal: int | None = None
         _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
-        # Every key of the `distributed` section is an argument of DistributedSetup.build.
-        self.dist = DistributedSetup.build(**cfg.distributed.model_dump())
+        self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
 
@@ -108,19 +99,10 @@ class FinetuneRecipe:
                               key_prefix="validation_dataset")
                 if cfg.validation_dataset is not None else None
             )
-        model = build_model(cfg.model, vocab_size=len(self.tokenizer), device=str(self.dist.device))
-        if cfg.peft is not None:
-            model = _apply_lora(model, cfg.peft)
-        loss_fn = build_target(cfg.loss_fn.target, cfg.loss_fn.kwargs, key="loss_fn._target_", kind=LOSS,
-                               custom_packages=cfg.custom_target_packages)
-        # The loss module is the root that DDP / FSDP2 wrap, so the loss (fused: with the output head's whole weight)
-        # runs inside the wrapper's forward; `self.model` stays the transformers (or peft) model, for saving.
-        self.model = model
-        self.compute_loss = self.dist.parallelize(
-            model, root=CausalLMLoss(model, loss_fn, use_hidden_states=cfg.model.output_hidden_states))
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_target(cfg.optimizer.target, cfg.optimizer.kwargs, key="optimizer._target_",
-                                      kind=OPTIMIZER, custom_packages=cfg.custom_target_packages, params=trainable)
+        # `self.model` stays the transformers (or peft) model, for saving; `compute_loss` is what the step calls.
+        self.model = build_recipe_model(cfg, vocab_size=len(self.tokenizer), device=str(self.dist.device))
+        self.compute_loss = build_training_module(self.model, cfg, self.dist)
+        self.optimizer = build_optimizer(cfg, (p for p in self.model.parameters() if p.requires_grad))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.step_scheduler.max_steps)
         self.batches = StatefulBatchIterator(
             self.train_data, cfg.step_scheduler.local_batch_size, shuffle=cfg.dataset.shuffle, seed=cfg.seed,
@@ -227,32 +209,19 @@ class FinetuneRecipe:
     def _train_step(self) -> StepRecord:
         start = time.perf_counter()
         micro_batches = [self._to_device(next(self.batches)) for _ in range(self.grad_accumulation)]
-        local_tokens = sum(count_label_tokens(b["labels"]) for b in micro_batches)
-        label_tokens = int(self.dist.sum_over_dp([local_tokens])[0])
-        # DDP and FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share of the global
-        # sum (divided by the global label-token count), so scaling by dp_size turns that average into the sum.
-        grad_scale = float(self.dist.dp_size)
-        total_loss = torch.zeros((), dtype=torch.float32)
+        label_tokens = step_label_tokens(micro_batches, self.dist)
         with self.memory_meter.step():
-            for index, batch in enumerate(micro_batches):
-                with self.dist.gradient_sync(enabled=index == len(micro_batches) - 1):
-                    with self._autocast():
-                        loss = self.compute_loss(batch, num_label_tokens=max(label_tokens, 1))
-                    (loss * grad_scale if grad_scale != 1.0 else loss).backward()
-                total_loss += loss.detach().float().cpu()
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.clip_grad_norm.max_norm)
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            outcome = train_step(self.compute_loss, list(self.model.parameters()), self.optimizer, micro_batches,
+                                 setup=self.dist, label_tokens=label_tokens, autocast_dtype=self.cfg.model.autocast,
+                                 max_norm=self.cfg.clip_grad_norm.max_norm, lr_scheduler=self.lr_scheduler)
         self.step += 1
-        global_loss = self.dist.sum_over_dp([float(total_loss)])[0]
+        global_loss = self.dist.sum_over_dp([float(outcome.loss)])[0]
         reading = max_over_ranks(self.memory_meter.last)
         elapsed = time.perf_counter() - start
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dist.dp_size
         return StepRecord(
-            step=self.step, epoch=self.batches.epoch, loss=global_loss, grad_norm=grad_norm,
-            lr=lr, mem_bytes=reading.peak_bytes, mem_source=reading.source, tps=tokens / elapsed,
+            step=self.step, epoch=self.batches.epoch, loss=global_loss, grad_norm=float(outcome.grad_norm),
+            lr=outcome.lr, mem_bytes=reading.peak_bytes, mem_source=reading.source, tps=tokens / elapsed,
             num_label_tokens=label_tokens, step_time_s=elapsed,
         )
 
@@ -267,7 +236,7 @@ class FinetuneRecipe:
                                           rank=self.dist.dp_rank, world_size=self.dist.dp_size,
                                           max_batches=self.cfg.step_scheduler.val_batches):
             batch = self._to_device(batch)
-            with self._autocast():
+            with autocast(self.cfg.model.autocast, self.dist.device.type):
                 # num_label_tokens=1 turns the mean into a sum, so batches of different sizes weigh correctly.
                 total += float(self.compute_loss(batch, num_label_tokens=1))
             tokens += count_label_tokens(batch["labels"])
@@ -286,27 +255,13 @@ class FinetuneRecipe:
             "model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
             "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,
         }
-        if self.dist.strategy == "fsdp2":
-            path = save_sharded_checkpoint(self.checkpoint_dir, self.step, **arguments)
-        else:
-            path = self.checkpoint_dir / checkpoint_name(self.step)
-            if self.dist.is_main_process:
-                path = save_checkpoint(self.checkpoint_dir, self.step, **arguments)
-            self.dist.barrier()
+        path = state_store(self.dist).save(self.checkpoint_dir, self.step, **arguments)
         reporter.info(f"saved checkpoint {path}")
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
-        if checkpoint_layout(path) == LAYOUT_SHARDED:
-            return load_sharded_checkpoint(path, **states)
-        if self.dist.strategy == "fsdp2":
-            raise ConfigError(
-                f"checkpoint.resume: {path} was written by a single-process or ddp run, which fsdp2 cannot resume; "
-                "allowed: resume it with distributed.strategy ddp or single, or start from its model/ export as "
-                "model.pretrained_model_name_or_path"
-            )
-        return load_checkpoint(path, **states)
+        return store_for_saved(path, self.dist).load(path, **states)
 
     def _report_setup(self, reporter: RunReporter) -> None:
         total, trainable = count_parameters(self.model), sum(
@@ -330,17 +285,14 @@ class FinetuneRecipe:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        dtype = self.cfg.model.autocast
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.dist.device.type, dtype=getattr(torch, dtype))
-
 
 def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:
     """(data-parallel size, gradient-accumulation steps) of the recipe on ``world_size`` processes; ConfigError naming
     the key when the ``distributed`` section, the batch sizes or peft do not fit them."""
-    dp_size = validate_settings(**cfg.distributed.model_dump(), world_size=world_size)
+    d = cfg.distributed
+    dp_size = validate_settings(d.strategy, d.activation_checkpointing, d.dp_size, d.tp_size, d.cp_size,
+                                d.mixed_precision, d.cpu_offload, d.fsdp_reduce_every_micro_batch,
+                                world_size=world_size)
     if cfg.peft is not None and cfg.distributed.strategy == "fsdp2":
         raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
                           "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
@@ -384,17 +336,6 @@ def sharded_eval_batches(
 
 def _ignored(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**row, "labels": torch.full_like(row["labels"], IGNORE_INDEX)}
-
-
-def _apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.target_modules, task_type="CAUSAL_LM")
-    try:
-        return get_peft_model(model, lora)
-    except ValueError as err:
-        raise ConfigError(f"peft: cannot apply LoRA to {type(model).__name__}: {err}") from err
 
 
 def _seed_everything(seed: int) -> None:

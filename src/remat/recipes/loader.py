@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from remat.errors import ConfigError, RematError
+from remat.loss import loss_input
 from remat.recipes.config import RecipeConfig, TargetConfig
 from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
@@ -137,7 +138,7 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
     _check_targets(cfg)
     _check_cross_section(cfg)
     _check_schedule(cfg)
-    return cfg
+    return _with_model_outputs(cfg)
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
@@ -166,13 +167,25 @@ def _check_targets(cfg: RecipeConfig) -> None:
         check_kwargs(fn, target_cfg.kwargs, key=f"{section}._target_", provided=PROVIDED_ARGS[section])
 
 
-def _check_cross_section(cfg: RecipeConfig) -> None:
-    fused = cfg.loss_fn.target.rsplit(".", 1)[-1] == "FusedLinearCrossEntropy"
-    if fused and not cfg.model.output_hidden_states:
+def _with_model_outputs(cfg: RecipeConfig) -> RecipeConfig:
+    """The recipe with ``model.output_hidden_states`` derived from what the loss consumes (`remat.loss.loss_input`).
+
+    The key is kept for recipes written before losses declared it: a value that agrees with the loss is accepted, one
+    that contradicts it is an error naming both keys."""
+    loss_class = resolve_target(cfg.loss_fn.target, key="loss_fn._target_", kind=SECTION_KINDS["loss_fn"],
+                                custom_packages=cfg.custom_target_packages)
+    consumes = loss_input(loss_class)
+    wanted = consumes == "hidden_states"
+    if "output_hidden_states" in cfg.model.model_fields_set and cfg.model.output_hidden_states != wanted:
         raise ConfigError(
-            "loss_fn: FusedLinearCrossEntropy computes the loss from the last hidden states and the output weight; "
-            "set 'model.output_hidden_states: true' so the model returns hidden states instead of logits"
-        )
+            f"model.output_hidden_states: {str(cfg.model.output_hidden_states).lower()} contradicts loss_fn._target_ "
+            f"{cfg.loss_fn.target!r}, which consumes {consumes}; allowed: {str(wanted).lower()}, or leave the key "
+            "out (it follows from the loss)")
+    model = cfg.model.model_copy(update={"output_hidden_states": wanted})
+    return cfg.model_copy(update={"model": model})
+
+
+def _check_cross_section(cfg: RecipeConfig) -> None:
     if cfg.distributed.strategy == "single" and cfg.distributed.dp_size not in (None, 1):
         raise ConfigError(
             f"distributed.dp_size: {cfg.distributed.dp_size} needs strategy 'ddp' or 'fsdp2' "

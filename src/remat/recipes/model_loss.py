@@ -2,7 +2,7 @@
 
 Two contracts, chosen by the recipe:
 - logits: ``loss_fn(logits, labels, num_label_tokens=...)`` (``remat.loss.MaskedCrossEntropy``);
-- hidden states (``model.output_hidden_states: true``): the decoder's last hidden states and the output head's weight
+- hidden states (a loss whose ``consumes`` is ``"hidden_states"``): the decoder's last hidden states and the output head's weight
   go to ``loss_fn(hidden_states, weight, labels, bias=..., num_label_tokens=...)``
   (``remat.loss.FusedLinearCrossEntropy``), and the output head never runs.
 
@@ -60,7 +60,7 @@ class CausalLMLoss(nn.Module):
             decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
             if decoder is None:
                 raise ConfigError(
-                    f"model.output_hidden_states: {type(base).__name__} does not expose its decoder "
+                    f"loss_fn._target_: {type(base).__name__} does not expose its decoder "
                     "(get_decoder), so the fused loss cannot get hidden states; "
                     "use loss_fn._target_: remat.loss.MaskedCrossEntropy for this model"
                 )

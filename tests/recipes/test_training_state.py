@@ -18,15 +18,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from remat.errors import ConfigError
 from remat.models import ModelConfig, build_model
-from remat.recipes import checkpoint_io
-from remat.recipes.checkpoint_io import (
+from remat.recipes.training_state import single as single_file_state
+from remat.recipes.training_state.layout import (
     COMPLETE_MARKER,
     find_latest_checkpoint,
     is_complete_checkpoint,
     list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
 )
+from remat.recipes.training_state.single import load_checkpoint, save_checkpoint
 
 VOCAB = 48
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -176,7 +175,7 @@ def test_crash_while_writing_keeps_latest_on_the_previous_checkpoint(tmp_path: P
             raise OSError("disk full")
         real_save(obj, file, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_io.torch, "save", failing_save)
+    monkeypatch.setattr(single_file_state.torch, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, train_state={"step": 2})
     monkeypatch.undo()
@@ -310,3 +309,20 @@ def test_compiled_models_are_saved_and_loaded_through_their_original_module(tmp_
     fresh = _model(1)
     load_checkpoint(path, model=torch.compile(fresh))
     assert _same_tensors(fresh.state_dict(), model.state_dict())
+
+
+def test_the_store_follows_the_strategy_and_the_saved_layout(tmp_path: Path) -> None:
+    from remat.distributed import DistributedSetup
+    from remat.recipes.training_state import ShardedState, SingleFileState, state_store, store_for_saved
+
+    single = DistributedSetup.build(device="cpu")
+    assert isinstance(state_store(single), SingleFileState)
+    model = _model(0)
+    path = state_store(single).save(tmp_path, 3, model=model, optimizer=None, lr_scheduler=None,
+                                    train_state={"step": 3}, tokenizer=None, keep_last=None)
+    assert path == tmp_path / "step_3" and isinstance(store_for_saved(path, single), SingleFileState)
+    assert store_for_saved(path, single).load(path, model=_model(1), optimizer=None, lr_scheduler=None)["step"] == 3
+    fsdp2 = DistributedSetup(strategy="fsdp2")  # not joined: only its strategy is read
+    assert isinstance(state_store(fsdp2), ShardedState)
+    with pytest.raises(ConfigError, match="checkpoint.resume: .* fsdp2 cannot resume"):
+        store_for_saved(path, fsdp2)

@@ -1,27 +1,27 @@
 """The estimate (``target="cpu"``) against the exact peak of the same step run on real CPU tensors.
 
-The reference is written here independently of the simulation: a real model, `CausalLMLoss`, the checkpointing
-policy, AdamW, and `LiveTensorTracker` around a step after the first (and around the first step itself). Done-when of
-issue 6: within 3% for at least 6 configurations; in practice the figures are equal to the byte.
+Both sides run the one build (`remat.recipes.build`) and the one training step (`remat.recipes.step.train_step`):
+the estimate on fake tensors, the reference here on real ones under `LiveTensorTracker`, around a step after the
+first (and around the first step itself), and `remat finetune`'s own logged ``mem``. The figures are equal to the
+byte.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
 import torch
 
-from remat.checkpointing import apply_activation_checkpointing
-from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy
+from remat.distributed import DistributedSetup
+from remat.estimate.api import MemoryEstimate, estimate_memory
+from remat.estimate.settings import StepSettings
+from remat.estimate.simulate import make_batch
 from remat.memory import LiveTensorTracker
-from remat.memory.estimate import MemoryEstimate, estimate_memory
-from remat.memory.simulate import IGNORE_INDEX, StepSettings, make_batch
-from remat.models import ModelConfig, build_model
-from remat.recipes.model_loss import CausalLMLoss
+from remat.models import ModelConfig
+from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+from remat.recipes.step import step_label_tokens, train_step
 
-TOLERANCE = 0.03
 SMALL = {"num_hidden_layers": 2, "vocab_size": 512}
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -34,6 +34,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mlp-plain-accumulate": {"policy": "mlp", "loss": "plain", "grad_accumulation": 2},
     "every2nd-plain-packed": {"policy": {"mode": "full", "every_n_layers": 2}, "loss": "plain",
                               "documents_per_row": 2},
+    "none-plain-unclipped": {"policy": "none", "loss": "plain", "clip_grad_norm": None},
 }
 
 
@@ -47,39 +48,26 @@ def _one_thread() -> Any:
 
 
 def _model(settings: StepSettings) -> ModelConfig:
-    return ModelConfig(preset="tiny-llama", config=SMALL, dtype=settings.dtype or "float32",
-                       output_hidden_states=settings.loss == "fused")
+    return ModelConfig(preset="tiny-llama", config=SMALL, dtype=settings.dtype or "float32")
 
 
 def _real_peaks(settings: StepSettings) -> tuple[int, int]:
-    """(first step's peak, second step's peak) of the step on real CPU tensors, tracked exactly."""
+    """(first step's peak, second step's peak) of the recipe's step on real CPU tensors, tracked exactly."""
+    recipe = settings.to_recipe(_model(settings))
     torch.manual_seed(0)
-    net = build_model(_model(settings))
-    loss_fn = FusedLinearCrossEntropy() if settings.loss == "fused" else MaskedCrossEntropy()
-    compute = CausalLMLoss(net, loss_fn, use_hidden_states=settings.loss == "fused")
-    apply_activation_checkpointing(net, settings.policy)
-    params = [p for p in compute.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    batch = make_batch(settings, net.config.vocab_size)
-    autocast = (torch.autocast("cpu", dtype=getattr(torch, settings.autocast)) if settings.autocast
-                else contextlib.nullcontext())
-
-    def step() -> None:
-        for _ in range(settings.grad_accumulation):
-            micro = {k: v.clone() for k, v in batch.items()}
-            tokens = int((micro["labels"][..., 1:] != IGNORE_INDEX).sum()) * settings.grad_accumulation
-            with autocast:
-                loss = compute(micro, num_label_tokens=tokens)
-            loss.backward()
-            del loss, micro
-        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
+                                   device="cpu")
+    net = build_recipe_model(recipe, vocab_size=None)
+    root = build_training_module(net, recipe, setup)
+    params = list(net.parameters())
+    optimizer = build_optimizer(recipe, [p for p in params if p.requires_grad])
+    batches = [make_batch(recipe, settings.run(), net.config.vocab_size)] * settings.grad_accumulation
+    label_tokens = step_label_tokens(batches, setup)
     peaks = []
     for _ in range(2):
-        with LiveTensorTracker(module=compute, optimizer=optimizer) as tracker:
-            step()
+        with LiveTensorTracker(module=root, optimizer=optimizer) as tracker:
+            train_step(root, params, optimizer, batches, setup=setup, label_tokens=label_tokens,
+                       autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm)
         peaks.append(tracker.peak_bytes)
     return peaks[0], peaks[1]
 
@@ -93,9 +81,7 @@ def test_estimate_matches_the_real_cpu_step(name: str) -> None:
     settings = StepSettings(batch_size=2, seq_length=64, target="cpu", **CONFIGS[name])
     estimate = _estimate(settings)
     first, steady = _real_peaks(settings)
-    assert abs(estimate.peak_bytes - steady) <= TOLERANCE * steady, (estimate.peak_bytes, steady)
-    assert abs(estimate.first_step_peak_bytes - first) <= TOLERANCE * first, (estimate.first_step_peak_bytes, first)
-    # On the CPU there is no allocator model: the estimate is the exact tensor peak, and here it is exact.
+    # On the CPU there is no allocator model: the estimate is the exact tensor peak of the same step.
     assert estimate.peak_bytes == estimate.tensor_peak_bytes == steady
     assert estimate.first_step_peak_bytes == first
     assert sum(estimate.breakdown.values()) == estimate.peak_bytes
@@ -110,30 +96,34 @@ def test_checkpointing_and_the_fused_loss_lower_the_estimate() -> None:
     assert plain.breakdown["activations"] > 2 * full.breakdown["activations"] > 4 * fused.breakdown["activations"]
 
 
-@pytest.mark.parametrize(("policy", "loss"), [("full", "MaskedCrossEntropy"), ("none", "FusedLinearCrossEntropy")])
-def test_estimate_of_a_recipe_matches_its_tracked_training_steps(tmp_path: Any, policy: str, loss: str) -> None:
+@pytest.mark.parametrize(("policy", "loss", "accumulation"), [
+    ("full", "MaskedCrossEntropy", 2), ("full", "FusedLinearCrossEntropy", 2), ("selective", "MaskedCrossEntropy", 1),
+    ({"mode": "full", "every_n_layers": 2}, "FusedLinearCrossEntropy", 1),
+])
+def test_estimate_of_a_recipe_equals_its_logged_mem(tmp_path: Any, policy: Any, loss: str, accumulation: int) -> None:
     """`remat finetune`'s own `mem` figure (tracked, step 2: the optimizer state exists) against the estimate of the
-    same recipe. The recipe trains on the builtin corpus, whose packed rows restart ``position_ids`` at document
-    boundaries (transformers then builds a mask the simulated batch does not need): hence 3%, not equality."""
-    from remat.memory.estimate import settings_from_recipe
+    same recipe, through the same build and step. The recipe trains on the builtin corpus, whose packed rows restart
+    ``position_ids`` at document boundaries: the estimate is told so (``documents_per_row``). Not exact in one case
+    left out here: the fused loss without checkpointing keeps the hidden rows of the label tokens for backward, and
+    the synthetic batch's label count differs from the corpus's (measured: 4,448 bytes of 52.6 MB)."""
+    from remat.estimate.api import settings_from_recipe
     from remat.recipes.finetune import FinetuneRecipe
     from remat.recipes.loader import validate_recipe
 
     cfg = validate_recipe({
         "output_dir": str(tmp_path),
-        "model": {"preset": "tiny-llama", "config": {"num_hidden_layers": 2},
-                  "output_hidden_states": loss.startswith("Fused")},
+        "model": {"preset": "tiny-llama", "config": {"num_hidden_layers": 2}},
         "dataset": {"seq_length": 64},
-        "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2, "max_steps": 2},
+        "step_scheduler": {"global_batch_size": 2 * accumulation, "local_batch_size": 2, "max_steps": 2},
         "loss_fn": {"_target_": f"remat.loss.{loss}"},
         "distributed": {"activation_checkpointing": policy, "device": "cpu"},  # a CPU estimate: measure on the CPU
         "checkpoint": {"enabled": False},
         "logging": {"memory": "tracked", "progress": "plain", "metrics_file": None},
     })
-    model, settings = settings_from_recipe(cfg, target="cpu")
+    model, settings = settings_from_recipe(cfg, target="cpu", documents_per_row=2)
     estimate = estimate_memory(model, settings)
     measured = FinetuneRecipe(cfg).run().records[-1].mem_bytes
-    assert abs(estimate.peak_bytes - measured) <= TOLERANCE * measured, (estimate.peak_bytes, measured)
+    assert estimate.peak_bytes == measured, (estimate.peak_bytes, measured)
 
 
 def _bench_cuda_module() -> Any:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from remat.estimate.api import estimate_memory
+from remat.estimate.attention import backward_workspace, cuda_attention_kernel
+from remat.estimate.settings import StepSettings
 from remat.memory import LiveTensorTracker
-from remat.memory.estimate import estimate_memory
-from remat.memory.simulate import StepSettings
-from remat.memory.simulate_attention import backward_workspace, cuda_attention_kernel
 from remat.models import ModelConfig
 
 _aten = torch.ops.aten

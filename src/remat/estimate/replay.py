@@ -3,7 +3,7 @@
 Two choices a replay makes on top of the recorded order:
 
 - ``kind``: ``"cuda"`` rounds and carves blocks like PyTorch's CUDA caching allocator
-  (`remat.memory.allocator.CachingAllocatorModel`); ``"exact"`` counts tensor bytes (the tracker's own figures).
+  (`remat.estimate.allocator.CachingAllocatorModel`); ``"exact"`` counts tensor bytes (the tracker's own figures).
 - ``steady_state``: the optimizer's state is created during the first step but exists during every later one. With
   ``steady_state=True`` its allocations are moved to the start, before the forward pass, which is the memory of any
   step after the first (what ``torch.cuda.max_memory_allocated`` reports over a run).
@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.memory.allocator import AllocatorKind, CachingAllocatorModel
-from remat.memory.simulate import GRADIENT_BUCKETS, StorageEvent
+from remat.estimate.allocator import AllocatorKind, CachingAllocatorModel
+from remat.estimate.simulate import GRADIENT_BUCKETS, StorageEvent
 from remat.memory.tracker import CATEGORIES
 
 ESTIMATE_CATEGORIES: tuple[str, ...] = (*CATEGORIES, GRADIENT_BUCKETS)
-"""The tracker's categories plus DDP's gradient buckets (see `remat.memory.simulate`)."""
+"""The tracker's categories plus DDP's gradient buckets (see `remat.estimate.simulate`)."""
 
 START_PHASE = "start"
 """Phase of a peak reached before the first mark (the baseline: parameters, and state moved to the start)."""

@@ -1,6 +1,6 @@
 """Sharded training checkpoints with torch.distributed.checkpoint (DCP), for FSDP2 runs.
 
-Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.recipes.checkpoint_io`)::
+Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.recipes.training_state.single`)::
 
     dcp/                    model and optimizer state, each rank writing its own shards (DCP's format)
     model/                  the whole model in transformers' format (gathered to rank 0): AutoModelForCausalLM loads it
@@ -41,29 +41,29 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PreTrainedModel
 
 from remat.errors import ConfigError
-from remat.recipes.checkpoint_io import (
+from remat.recipes.training_state.layout import (
     LATEST_FILE,
     LAYOUT_SHARDED,
     MODEL_DIR,
     SCHEDULER_FILE,
     TRAIN_STATE_FILE,
-    _atomic_write_text,
-    _check_save_arguments,
-    _fsync_tree,
-    _is_peft_model,
-    _prune,
-    _publish,
-    _read_marker,
-    _remove_stale_work_dirs,
-    _resolve_checkpoint,
-    _save_hf_model,
-    _save_tokenizer,
-    _to_json,
-    _unwrap,
-    _write_marker,
+    atomic_write_text,
     capture_rng_state,
+    check_save_arguments,
     checkpoint_name,
+    fsync_tree,
+    is_peft_model,
+    prune,
+    publish,
+    read_marker,
+    remove_stale_work_dirs,
+    resolve_checkpoint,
     restore_rng_state,
+    save_hf_model,
+    save_tokenizer,
+    train_state_json,
+    unwrap_model,
+    write_marker,
 )
 
 DCP_DIR = "dcp"
@@ -87,9 +87,9 @@ def save_sharded_checkpoint(
     `model` is the transformers model whose parameters FSDP2 sharded (not a DDP wrapper). `export_model` also
     gathers the whole model to rank 0 and writes it in transformers' format under ``model/``.
     """
-    _check_save_arguments(step, keep_last)
-    inner = _unwrap(model)
-    if _is_peft_model(inner):
+    check_save_arguments(step, keep_last)
+    inner = unwrap_model(model)
+    if is_peft_model(inner):
         raise ConfigError("peft: sharded (fsdp2) checkpoints of peft models are not supported yet; allowed: "
                           "distributed.strategy ddp or single with peft")
     root = Path(root)
@@ -105,12 +105,12 @@ def save_sharded_checkpoint(
         _barrier()
         final = root / checkpoint_name(step)
         if _rank() == 0:
-            _write_marker(tmp, step, peft=False, layout=LAYOUT_SHARDED, extra={"world_size": _world_size()})
-            _fsync_tree(tmp)
-            _publish(tmp, final)
-            _atomic_write_text(root / LATEST_FILE, final.name + "\n")
+            write_marker(tmp, step, peft=False, layout=LAYOUT_SHARDED, extra={"world_size": _world_size()})
+            fsync_tree(tmp)
+            publish(tmp, final)
+            atomic_write_text(root / LATEST_FILE, final.name + "\n")
             if keep_last is not None:
-                _prune(root, keep_last, keep=final)
+                prune(root, keep_last, keep=final)
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -128,13 +128,13 @@ def load_sharded_checkpoint(
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG state from a sharded checkpoint; return the train
     state. Works on any number of ranks (FSDP2), or in one process without a process group (DCP reshards)."""
-    path = _resolve_checkpoint(Path(path))
-    marker = _read_marker(path)
+    path = resolve_checkpoint(Path(path))
+    marker = read_marker(path)
     assert marker is not None
     if marker.get("layout") != LAYOUT_SHARDED:
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
-                          "remat.recipes.checkpoint_io.load_checkpoint")
-    inner = _unwrap(model)
+                          "remat.recipes.training_state.single.load_checkpoint")
+    inner = unwrap_model(model)
     model_state, optim_state = _state_dicts(inner, optimizer)
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
@@ -160,15 +160,15 @@ def load_sharded_checkpoint(
 
 def export_full_model(model: nn.Module, directory: Path, *, tokenizer: Any | None = None) -> None:
     """Gather the whole model (a collective) and write it on rank 0 with ``save_pretrained`` into `directory`."""
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     if not isinstance(inner, PreTrainedModel):
         raise TypeError(f"export_full_model needs a transformers model; got {type(inner).__name__}")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(inner, options=options)
     if _rank() == 0:
-        _save_hf_model(inner, directory, state_dict=full)
+        save_hf_model(inner, directory, state_dict=full)
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, directory)
+            save_tokenizer(tokenizer, directory)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -186,7 +186,7 @@ def _agree_on_temp_dir(root: Path, step: int) -> Path:
     names: list[Any] = [None]
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_work_dirs(root)
+        remove_stale_work_dirs(root)
         tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -204,7 +204,7 @@ def _write_rank_files(directory: Path, lr_scheduler: Any | None, train_state: di
         return
     if lr_scheduler is not None:
         torch.save(lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
-    (directory / TRAIN_STATE_FILE).write_text(_to_json(train_state))
+    (directory / TRAIN_STATE_FILE).write_text(train_state_json(train_state))
 
 
 @contextlib.contextmanager

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from remat.errors import ConfigError
-from remat.memory.allocator_replay import ESTIMATE_CATEGORIES
+from remat.estimate.replay import ESTIMATE_CATEGORIES
 
 if TYPE_CHECKING:
-    from remat.memory.estimate import MemoryEstimate
+    from remat.estimate.api import MemoryEstimate
 
 GIB: Final[int] = 2**30
 UNITS: Final[dict[str, int]] = {

@@ -1,8 +1,8 @@
 """``estimate_memory``: the peak memory of a training step, predicted on fake tensors without a GPU.
 
-The step is simulated by `remat.memory.simulate.simulate_step` (the recipe's own model, checkpointing, loss,
-optimizer and data-parallel wrapper, on fake tensors), then its allocations are replayed
-(`remat.memory.allocator_replay`):
+The settings become a recipe (`remat.estimate.settings.StepSettings.to_recipe`), whose own build and training step
+are simulated by `remat.estimate.simulate.simulate_step` on fake tensors, then its allocations are replayed
+(`remat.estimate.replay`):
 
 - ``peak_bytes``: the peak of a step after the first (the optimizer state already exists), through PyTorch's CUDA
   caching-allocator rules when ``target="cuda"`` (what ``torch.cuda.max_memory_allocated`` reports), or in exact
@@ -28,8 +28,9 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from remat.errors import ConfigError
-from remat.memory.allocator_replay import replay
-from remat.memory.simulate import STRATEGIES, StepSettings, simulate_step
+from remat.estimate.replay import replay
+from remat.estimate.settings import StepSettings
+from remat.estimate.simulate import check_simulable, simulate_step
 from remat.models import ModelConfig, get_preset, preset_names, resolve_model_config
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ ModelLike = ModelConfig | PretrainedConfig | Mapping[str, Any] | str | Path
 """A preset name, a ``config.json`` (or the directory holding it), a transformers config (object or mapping with
 ``model_type``), or a `remat.models.ModelConfig`."""
 
-_SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepSettings))
+_SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepSettings) if f.name != "base")
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,7 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping of every figure and setting (bytes as integers)."""
-        settings = dataclasses.asdict(self.settings)
-        settings["loss_kwargs"] = dict(self.settings.loss_kwargs)
-        settings["optimizer_kwargs"] = dict(self.settings.optimizer_kwargs)
+        settings = {name: getattr(self.settings, name) for name in _SETTING_NAMES}
         return {
             "name": self.name,
             "model": self.model,
@@ -100,8 +99,8 @@ class MemoryEstimate:
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self, *, capacity_bytes: int | None = None) -> str:
-        """A plain-text table of the breakdown at the peak (see `remat.memory.report` for rich output)."""
-        from remat.memory.report import breakdown_table
+        """A plain-text table of the breakdown at the peak (see `remat.estimate.report` for rich output)."""
+        from remat.estimate.report import breakdown_table
 
         return breakdown_table(self, capacity_bytes=capacity_bytes)
 
@@ -123,7 +122,7 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
     model_cfg = resolve_model(model)
     settings = dataclasses.replace(settings, dtype=settings.dtype or model_cfg.dtype,
                                    autocast=settings.autocast or model_cfg.autocast)
-    trace = simulate_step(model_cfg, settings)
+    trace = simulate_step(settings.to_recipe(model_cfg), settings.run())
     kind = "cuda" if settings.target == "cuda" else "exact"
     steady = replay(trace.events, trace.marks, kind=kind, steady_state=True)
     exact = replay(trace.events, trace.marks, kind="exact", steady_state=True)
@@ -213,72 +212,20 @@ def _config_mapping(mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSettings]:
-    """The model and step a `remat.recipes.config.RecipeConfig` trains, with ``options`` overriding settings.
-
-    Batch size, sequence length, dtype, autocast, checkpointing policy, loss, optimizer, gradient clipping,
-    strategy, gradient accumulation and the tokenizer's vocabulary come from the recipe. A recipe for ``ddp`` /
-    ``fsdp2`` without ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch).
-    """
+    """The model (its config only: weights are never read) and step a `remat.recipes.config.RecipeConfig` trains,
+    with ``options`` overriding settings by name; the vocabulary is the recipe tokenizer's. A recipe for ``ddp`` /
+    ``fsdp2`` without ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch)."""
     from remat.data import build_tokenizer
 
-    if cfg.peft is not None:
-        raise ConfigError("peft: the estimate does not model LoRA fine-tuning yet; estimate the recipe without the "
-                          "peft section (an upper bound: every parameter trained)")
-    loss = _loss_kind(cfg.loss_fn.target)
-    dist = cfg.distributed
-    if dist.strategy not in STRATEGIES:
-        raise ConfigError(f"distributed.strategy: got {dist.strategy!r}; allowed: {', '.join(STRATEGIES)}")
-    for name in ("tp_size", "cp_size"):
-        if getattr(dist, name, 1) != 1:
-            raise ConfigError(f"distributed.{name}: {getattr(dist, name)} is not modelled by the estimate; "
-                              "allowed: 1 (data parallelism only)")
-    world_size = options.pop("world_size", None) or dist.dp_size or 1
-    if dist.strategy != "single" and dist.dp_size is None and world_size == 1:
+    d = cfg.distributed
+    if d.strategy != "single" and d.dp_size is None and not options.get("world_size"):
         logger.warning("distributed.dp_size is null (the launcher decides it): estimating one rank; give world_size "
                        "(--world-size) for the number of processes you will launch")
-    sched = cfg.step_scheduler
-    accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * world_size)
-    if rest or accumulation < 1:
-        raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-                          f"({sched.local_batch_size}) x world size ({world_size}) x an integer")
     tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
-    max_norm = cfg.clip_grad_norm.max_norm
-    settings = StepSettings(
-        batch_size=sched.local_batch_size,
-        seq_length=cfg.dataset.seq_length,
-        dtype=cfg.model.dtype,
-        autocast=cfg.model.autocast,
-        policy=dist.activation_checkpointing,
-        loss=loss,
-        loss_kwargs=dict(cfg.loss_fn.kwargs),
-        optimizer=cfg.optimizer.target,
-        optimizer_kwargs=dict(cfg.optimizer.kwargs),
-        clip_grad_norm=math.inf if max_norm is None else max_norm,  # the loop always computes the norm
-        strategy=dist.strategy,
-        world_size=world_size,
-        mixed_precision=getattr(dist, "mixed_precision", None),
-        grad_accumulation=accumulation,
-        vocab_size=len(tokenizer),
-        custom_target_packages=tuple(cfg.custom_target_packages),
-    )
-    unknown = sorted(set(options) - set(_SETTING_NAMES))
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: not a setting of the estimate; allowed: {', '.join(_SETTING_NAMES)}")
-    if "loss" in options and options["loss"] != loss:
-        options.setdefault("loss_kwargs", {})  # the recipe's loss arguments belong to the recipe's loss
-    if "optimizer" in options and options["optimizer"] != cfg.optimizer.target:
-        lr = cfg.optimizer.kwargs.get("lr")
-        options.setdefault("optimizer_kwargs", {"lr": lr} if lr is not None else {})  # likewise, but keep lr
-    return _without_weights(cfg.model), dataclasses.replace(settings, **options)
-
-
-def _loss_kind(target: str) -> str:
-    kinds = {"remat.loss.MaskedCrossEntropy": "plain", "remat.loss.masked.MaskedCrossEntropy": "plain",
-             "remat.loss.FusedLinearCrossEntropy": "fused", "remat.loss.fused.FusedLinearCrossEntropy": "fused"}
-    if target not in kinds:
-        raise ConfigError(f"loss_fn._target_: the estimate models remat.loss.MaskedCrossEntropy and "
-                          f"remat.loss.FusedLinearCrossEntropy; got {target!r}")
-    return kinds[target]
+    settings = StepSettings.from_recipe(cfg, vocab_size=len(tokenizer), **options)
+    model = _without_weights(cfg.model)
+    check_simulable(settings.to_recipe(model), settings.run())
+    return model, settings
 
 
 def _jsonable(value: Any) -> Any:

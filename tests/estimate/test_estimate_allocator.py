@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from remat.memory.allocator import (
+from remat.estimate.allocator import (
     LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     SMALL_BUFFER,
@@ -12,8 +12,8 @@ from remat.memory.allocator import (
     round_request,
     segment_size,
 )
-from remat.memory.allocator_replay import START_PHASE, replay
-from remat.memory.simulate import StorageEvent
+from remat.estimate.replay import START_PHASE, replay
+from remat.estimate.simulate import StorageEvent
 
 MiB = 2**20
 

@@ -1,0 +1,334 @@
+"""Simulate one training step on fake tensors and record every allocation it makes.
+
+`simulate_step` runs the recipe's own build (`remat.recipes.build`: model, checkpointing, loss module, data-parallel
+wrapper, optimizer) under ``FakeTensorMode`` (shapes and dtypes, no storage; over a fake process group for
+``fsdp2``) and the recipe's own step (`remat.recipes.step.train_step`: forward and backward of the micro-batches,
+gradient clipping, the optimizer step, whose state is created here, and ``zero_grad``), all inside a
+`LiveTensorTracker` whose listener records each allocation, free, resize and change of category. The recorded `StepTrace` is what `remat.estimate.api` replays through an allocator model.
+
+Details that make the fake step the real one:
+
+- The batch (``input_ids``, ``labels``, ``position_ids``) is made of *real* integer tensors, and ops whose tensor
+  arguments are all real run for real (`_SimulationMode`): the losses count label tokens and select rows by value,
+  and transformers decides from the values of ``position_ids`` / ``attention_mask`` whether it must build a mask.
+  Ops mixing real and fake tensors run fake. For ``target="cuda"`` the batch's own bytes are counted (the recipe
+  moves it to the device); on the CPU they are not (the loader's tensors, as in the recipe's tracked ``mem``).
+- ``target="cuda"`` models a CUDA GPU: attention runs the kernel CUDA would pick, with its backward workspaces
+  (`remat.estimate.attention`; counts include recomputations), and optimizers that accept ``foreach`` get ``foreach=True`` unless the
+  caller chose (PyTorch's default for CUDA parameters; on CPU parameters it runs a per-parameter loop).
+  ``target="cpu"`` runs what the CPU runs, so the figures equal a real CPU step's tracked peak.
+- DTensor's sharding propagation builds global-shape tensors to infer output shapes; on real tensors it does so in
+  a private fake mode, which the simulation gives it here too, so those never count.
+- ``ddp``: ``DistributedDataParallel`` needs real parameter data at construction, so it cannot wrap fake tensors.
+  The step is simulated without the wrapper (every rank runs the whole model on its micro-batch, as in DDP), and the
+  reducer's gradient buckets are added from the start of the step: DDP keeps one flat buffer per bucket (the first of
+  1 MiB, the others of 25 MiB, filled in reverse parameter order as `dist._compute_bucket_assignment_by_size` does)
+  for the whole run, next to the ``.grad`` tensors (``gradient_as_bucket_view=False``, the default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+
+from remat.data import IGNORE_INDEX
+from remat.distributed import DistributedSetup, validate_settings
+from remat.errors import ConfigError
+from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
+from remat.memory.tracker import LiveTensorTracker
+from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+from remat.recipes.config import RecipeConfig
+from remat.recipes.step import step_label_tokens, train_step
+
+Target = Literal["cuda", "cpu"]
+TARGETS: Final[tuple[str, ...]] = ("cuda", "cpu")
+DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
+"""DistributedDataParallel's default bucket capacity (the first bucket is ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+GRADIENT_BUCKETS: Final[str] = "gradient_buckets"
+"""The category of DDP's gradient buckets, which the live-tensor tracker does not see."""
+
+
+@dataclass(frozen=True)
+class SimulatedRun:
+    """What a recipe leaves to the launch and the data, which the simulation must be told: the device it models
+    (``target``), the number of processes (``world_size``; torchrun decides it for a recipe without
+    ``distributed.dp_size``), the documents packed per row of the synthetic batch and the vocabulary (the
+    tokenizer's; None keeps the model config's)."""
+
+    target: Target = "cuda"
+    world_size: int = 1
+    documents_per_row: int = 1
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class StorageEvent:
+    """One change the tracker counted (see `remat.memory.tracker.StorageListener`)."""
+
+    kind: str
+    serial: int
+    nbytes: int
+    category: str
+
+
+@dataclass
+class StepTrace:
+    """What one simulated step allocated, in order, with the phase marks between the events."""
+
+    recipe: RecipeConfig
+    run: SimulatedRun
+    events: list[StorageEvent] = field(default_factory=list)
+    marks: list[tuple[int, str]] = field(default_factory=list)
+    """(number of events recorded before the mark, label)."""
+    tracked_peak: int = 0
+    tracked_breakdown: dict[str, int] = field(default_factory=dict)
+    parameters: int = 0
+    trainable_parameters: int = 0
+    attention_kernels: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def listener(self, kind: str, serial: int, nbytes: int, category: str) -> None:
+        """The tracker's listener: appends one event."""
+        self.events.append(StorageEvent(kind, serial, nbytes, category))
+
+    def mark(self, label: str) -> None:
+        """Start phase ``label`` at the current event."""
+        self.marks.append((len(self.events), label))
+
+
+class _SimulationMode(TorchDispatchMode):
+    """Entered above the live-tensor tracker: runs ops whose tensor arguments are all real (the integer batch and
+    what is computed from it) for real, outside the fake mode, so that value-dependent code works (label counts, row
+    selection, mask decisions); and, when modelling CUDA, allocates the attention backward kernels' workspaces
+    around their ops so that the tracker counts them."""
+
+    def __init__(self, cuda: bool) -> None:
+        super().__init__()
+        self.cuda = cuda
+        self.cpu_attention_calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # DTensor: let it run its ops on local tensors, which come back here
+        if _all_real(args, kwargs):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if not self.cuda:
+            return func(*args, **kwargs)
+        if func is CPU_ATTENTION_OP:
+            self.cpu_attention_calls += 1
+        workspace = backward_workspace(func, args)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            del workspace
+
+
+def _all_real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True when the arguments hold at least one tensor and no fake one (lists of tensors included)."""
+    found = False
+    for arg in (*args, *kwargs.values()):
+        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(item, torch.Tensor):
+                if isinstance(item, FakeTensor):
+                    return False
+                found = True
+    return found
+
+
+def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
+    """Run one training step of ``recipe`` on fake tensors, through the recipe's own build
+    (`remat.recipes.build`) and step (`remat.recipes.step.train_step`), and return its allocation trace."""
+    accumulation = check_simulable(recipe, run)
+    trace = StepTrace(recipe, run)
+    start = time.perf_counter()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    strategy = recipe.distributed.strategy
+    with _process_group(strategy, run.world_size), _private_sharding_fake_mode():
+        setup = simulation_setup(recipe, run.world_size, mesh=_mesh(strategy, run.world_size))
+        with fake:
+            torch.manual_seed(0)
+            net = build_recipe_model(recipe, vocab_size=run.vocab_size)
+            root = build_training_module(net, recipe, setup)
+        if setup.plan is not None:
+            trace.notes.append(f"activation checkpointing: {setup.plan.summary()}")
+        params = list(net.parameters())
+        trace.parameters = sum(_local_numel(p) for p in params)
+        trainable = [p for p in params if p.requires_grad]
+        trace.trainable_parameters = sum(_local_numel(p) for p in trainable)
+        batch = make_batch(recipe, run, int(net.config.get_text_config().vocab_size))
+        label_tokens = step_label_tokens([batch] * accumulation, setup)  # real integers, outside the fake mode
+        if strategy == "ddp":
+            _add_ddp_buckets(trace, trainable)
+        with fake:
+            optimizer = build_optimizer(recipe, trainable, foreach=True if run.target == "cuda" else None)
+        attention = CudaAttention() if run.target == "cuda" else contextlib.nullcontext()
+        mode = _SimulationMode(cuda=run.target == "cuda")
+        parts = root.decoder if root.use_hidden_states else net
+        hook = parts.register_forward_hook(lambda *_: trace.mark("loss"))
+        tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
+
+        def mark(label: str) -> None:
+            trace.mark(label)
+            tracker.mark(label)
+
+        try:
+            with fake, attention, tracker, mode:
+                # On a GPU the recipe moves the step's micro-batches to the device before the step: they count. On
+                # the CPU they are the loader's tensors, which the tracker does not count. Two micro-batches give the
+                # peak of any number (the third and later ones repeat the second).
+                copies = accumulation if run.target == "cuda" else 0
+                on_device = [{k: v.clone() for k, v in batch.items()} for _ in range(copies)]
+                micro_batches = on_device or [batch] * accumulation
+                train_step(root, params, optimizer, micro_batches[:2], setup=setup, label_tokens=label_tokens,
+                           autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm, mark=mark)
+                del on_device, micro_batches
+        except RuntimeError as err:
+            if "Expected inputs of BF16 type" in str(err):  # torch._grouped_mm's shape function (MoE experts)
+                raise ConfigError(f"dtype: {recipe.model.dtype!r} cannot be simulated for {recipe.model.describe()}: "
+                                  "its experts run torch._grouped_mm, whose shape function (used on fake tensors) "
+                                  "accepts bfloat16 inputs only; allowed: dtype bfloat16") from err
+            raise
+        finally:
+            hook.remove()
+    trace.tracked_peak = tracker.peak_bytes
+    trace.tracked_breakdown = tracker.peak_breakdown
+    if isinstance(attention, CudaAttention):
+        trace.attention_kernels = {k: v for k, v in attention.kernels.items() if v}
+    if mode.cpu_attention_calls:
+        trace.notes.append(f"{mode.cpu_attention_calls} attention calls bypassed the CUDA kernel model (the model "
+                           "calls SDPA under another name) and were simulated with the CPU kernel")
+    trace.seconds = time.perf_counter() - start
+    return trace
+
+
+def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
+    """Raise `ConfigError` naming the key when ``recipe`` on ``run`` is something the estimate does not model;
+    return the gradient-accumulation steps. The ``distributed`` section is checked by its own validator
+    (`remat.distributed.validate_settings`) against ``run.world_size``."""
+    if run.target not in TARGETS:
+        raise ConfigError(f"target: got {run.target!r}; allowed: {', '.join(TARGETS)}")
+    d = recipe.distributed
+    if recipe.peft is not None:
+        raise ConfigError("peft: the estimate does not model LoRA fine-tuning yet; estimate the recipe without the "
+                          "peft section (an upper bound: every parameter trained)")
+    for name in ("tp_size", "cp_size"):
+        if getattr(d, name) != 1:
+            raise ConfigError(f"distributed.{name}: {getattr(d, name)} is not modelled by the estimate; "
+                              "allowed: 1 (data parallelism only)")
+    validate_settings(d.strategy, d.activation_checkpointing, d.dp_size, d.tp_size, d.cp_size, d.mixed_precision,
+                      d.cpu_offload, d.fsdp_reduce_every_micro_batch, world_size=run.world_size)
+    if d.cpu_offload:
+        raise ConfigError("distributed.cpu_offload: true keeps FSDP2's state in host memory, which the estimate does "
+                          "not model; allowed: false")
+    policy = d.activation_checkpointing
+    if policy.offload or policy.mode == "offload" or any(o.offload or o.mode == "offload" for o in policy.layers):
+        raise ConfigError(f"distributed.activation_checkpointing: {policy.describe()!r} offloads activations to host "
+                          "memory, which the estimate does not model; allowed: none, full, selective, attention, "
+                          "mlp, sqrt (with every_n_layers / segments / per-layer modes)")
+    seq_length = recipe.dataset.seq_length
+    if not 1 <= run.documents_per_row <= seq_length // 2:
+        raise ConfigError(f"documents_per_row: {run.documents_per_row} documents do not fit a row of {seq_length} "
+                          f"tokens; allowed: 1 to {seq_length // 2}")
+    sched = recipe.step_scheduler
+    accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * run.world_size)
+    if rest or accumulation < 1:
+        raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
+                          f"({sched.local_batch_size}) x world size ({run.world_size}) x an integer")
+    return accumulation
+
+
+def simulation_setup(recipe: RecipeConfig, world_size: int, *, mesh: Any = None,
+                     device: torch.device | None = None) -> DistributedSetup:
+    """The recipe's `DistributedSetup` for one rank of ``world_size``, without joining a process group: FSDP2 runs
+    over ``mesh`` (a fake process group's); DDP is simulated without its wrapper (see the module docstring)."""
+    d = recipe.distributed
+    return DistributedSetup(strategy="single" if d.strategy == "ddp" else d.strategy,
+                            activation_checkpointing=d.activation_checkpointing, dp_size=world_size,
+                            world_size=world_size, mixed_precision=d.mixed_precision,
+                            fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch,
+                            device=device or torch.device("cpu"), mesh=mesh)
+
+
+def make_batch(recipe: RecipeConfig, run: SimulatedRun, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The micro-batch the simulation trains on, as real integer tensors: random token ids, ``documents_per_row``
+    documents per row (``position_ids`` restart at each), every token a target except each document's first."""
+    generator = torch.Generator().manual_seed(0)
+    seq_length = recipe.dataset.seq_length
+    shape = (recipe.step_scheduler.local_batch_size, seq_length)
+    input_ids = torch.randint(0, vocab_size, shape, generator=generator)
+    document = -(-seq_length // run.documents_per_row)
+    position_ids = (torch.arange(seq_length) % document).expand(shape).clone()
+    labels = input_ids.clone()
+    labels[position_ids == 0] = IGNORE_INDEX  # a document's first token is never predicted from the one before
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def _add_ddp_buckets(trace: StepTrace, trainable: list[nn.Parameter]) -> None:
+    """Record DDP's gradient buckets as allocations made before the step (serials below zero: the tracker's are
+    positive)."""
+    params = list(reversed(trainable))
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        params, [dist._DEFAULT_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES], [False] * len(params))
+    sizes = [sum(params[i].numel() * params[i].element_size() for i in bucket) for bucket in buckets]
+    for index, nbytes in enumerate(sizes):
+        trace.events.insert(index, StorageEvent("alloc", -1 - index, nbytes, GRADIENT_BUCKETS))
+    trace.notes.append(f"ddp: gradients are all-reduced through {len(sizes)} buckets ({sum(sizes) / 2**30:.2f} GiB) "
+                       "held for the whole run")
+
+
+def _mesh(strategy: str, world_size: int) -> Any:
+    """FSDP2's data-parallel mesh over the fake process group (outside the fake mode: it reads its rank tensor)."""
+    if strategy != "fsdp2":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+
+
+def _local_numel(tensor: torch.Tensor) -> int:
+    local = getattr(tensor, "_local_tensor", None)
+    return int(local.numel() if local is not None else tensor.numel())
+
+
+@contextlib.contextmanager
+def _process_group(strategy: str, world_size: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks (this process is rank 0) for FSDP2."""
+    if strategy != "fsdp2":
+        yield
+        return
+    if dist.is_initialized():
+        raise ConfigError(f"distributed.strategy: simulating {strategy!r} needs its own (fake) process group, but this "
+                          "process already joined one; run the estimate outside a distributed job")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _private_sharding_fake_mode() -> Iterator[None]:
+    """DTensor infers output shapes by running ops on global-shape fake tensors, in the active fake mode if there is
+    one. Give it a private fake mode, as on real tensors, so that the tracker never sees those shadow tensors."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original  # type: ignore[assignment]

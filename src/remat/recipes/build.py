@@ -1,0 +1,85 @@
+"""THE build of a recipe: the distributed setup, the model (+LoRA), the loss module the step calls (activation
+checkpointing and the data-parallel wrapper applied by `DistributedSetup.parallelize`) and the optimizer.
+
+`remat.recipes.finetune.FinetuneRecipe` builds with these functions on real tensors; the memory estimate
+(`remat.estimate.simulate`) builds with the same functions under ``FakeTensorMode``. The model's outputs follow from
+the loss: a loss that consumes hidden states gets the decoder's last hidden states and the output head
+(`remat.loss.loss_input`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from remat.distributed import DistributedSetup
+from remat.errors import ConfigError
+from remat.loss import loss_input
+from remat.models import build_model
+from remat.recipes.config import PeftConfig, RecipeConfig
+from remat.recipes.model_loss import CausalLMLoss
+from remat.recipes.targets import LOSS, OPTIMIZER, build_target, resolve_target
+
+
+def distributed_setup(cfg: RecipeConfig) -> DistributedSetup:
+    """`DistributedSetup.build` from the recipe's ``distributed`` section (the checkpointing policy already typed)."""
+    d = cfg.distributed
+    return DistributedSetup.build(
+        strategy=d.strategy, device=d.device, activation_checkpointing=d.activation_checkpointing, dp_size=d.dp_size,
+        tp_size=d.tp_size, cp_size=d.cp_size, mixed_precision=d.mixed_precision, cpu_offload=d.cpu_offload,
+        fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch)
+
+
+def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:
+    """The recipe's ``loss_fn``."""
+    loss: Callable[..., torch.Tensor] = build_target(cfg.loss_fn.target, cfg.loss_fn.kwargs, key="loss_fn._target_",
+                                                     kind=LOSS, custom_packages=cfg.custom_target_packages)
+    return loss
+
+
+def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu") -> nn.Module:
+    """The recipe's model on ``device`` (with LoRA adapters when it has a ``peft`` section)."""
+    model = build_model(cfg.model, vocab_size=vocab_size, device=device)
+    return apply_lora(model, cfg.peft) if cfg.peft is not None else model
+
+
+def build_training_module(model: nn.Module, cfg: RecipeConfig, setup: DistributedSetup) -> CausalLMLoss:
+    """The loss module around ``model``, then ``setup.parallelize`` (checkpointing, TP, FSDP2 / DDP); returns the
+    module the training step calls. The loss module is the root the wrappers wrap, so the loss (fused: with the
+    output head's whole weight) runs inside the wrapper's forward."""
+    loss_fn = build_loss(cfg)
+    compute = CausalLMLoss(model, loss_fn, use_hidden_states=loss_input(loss_fn) == "hidden_states")
+    root = setup.parallelize(model, root=compute)
+    return root  # type: ignore[return-value]
+
+
+def build_optimizer(cfg: RecipeConfig, params: Iterable[nn.Parameter], *,
+                    foreach: bool | None = None) -> torch.optim.Optimizer:
+    """The recipe's optimizer over ``params``. ``foreach`` (when the recipe chose neither ``foreach`` nor ``fused``
+    and the optimizer accepts it) is passed on: the estimate of a CUDA step sets it, as PyTorch does by default for
+    CUDA parameters."""
+    kwargs = cfg.optimizer.kwargs
+    if foreach is not None and not {"foreach", "fused"} & set(kwargs):
+        optimizer_class = resolve_target(cfg.optimizer.target, key="optimizer._target_", kind=OPTIMIZER,
+                                         custom_packages=cfg.custom_target_packages)
+        if "foreach" in inspect.signature(optimizer_class).parameters:
+            kwargs = {**kwargs, "foreach": foreach}
+    optimizer: torch.optim.Optimizer = build_target(cfg.optimizer.target, kwargs, key="optimizer._target_",
+                                                    kind=OPTIMIZER, custom_packages=cfg.custom_target_packages,
+                                                    params=list(params))
+    return optimizer
+
+
+def apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
+    """``model`` with LoRA adapters from the ``peft`` section (only they are trained)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as err:
+        raise ConfigError(f"peft: cannot apply LoRA to {type(model).__name__}: {err}") from err

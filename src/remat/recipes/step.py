@@ -1,0 +1,94 @@
+"""THE training step: forward+backward of each micro-batch (the loss normalised by the step's label tokens summed
+over the data-parallel ranks), gradient synchronisation on the last micro-batch, gradient clipping, the optimizer
+step, the learning-rate schedule and ``zero_grad``.
+
+`remat.recipes.finetune.FinetuneRecipe` runs it on real tensors; the memory estimate (`remat.estimate.simulate`) runs
+it under ``FakeTensorMode``; `benchmarks/bench_estimate_cuda.py` runs it on a GPU. Nothing here reads a tensor's
+value (no ``.item()``), so the same code runs on fake tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.distributed import DistributedSetup, clip_grad_norm_tensor
+from remat.recipes.model_loss import count_label_tokens
+
+Batch = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class StepOutcome:
+    """What one step produced: this rank's summed micro-batch losses and the gradient norm before clipping (both
+    0-dim tensors: convert them after the step), the learning rate it stepped with and the step's label tokens."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    label_tokens: int
+
+
+def step_label_tokens(micro_batches: Sequence[Batch], setup: DistributedSetup) -> int:
+    """The label tokens of one step: this rank's micro-batches, summed over the data-parallel ranks (a collective:
+    call it on every rank, before the step)."""
+    local = sum(count_label_tokens(batch["labels"]) for batch in micro_batches)
+    return int(setup.sum_over_dp([local])[0])
+
+
+def autocast(dtype: str | None, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` to ``dtype`` (a torch dtype name), or nothing when None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+
+def train_step(
+    root: Callable[..., torch.Tensor],
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Batch],
+    *,
+    setup: DistributedSetup,
+    label_tokens: int,
+    autocast_dtype: str | None,
+    max_norm: float | None,
+    lr_scheduler: Any = None,
+    mark: Callable[[str], None] = lambda label: None,
+) -> StepOutcome:
+    """One optimizer step over ``micro_batches`` (already on the device).
+
+    ``root`` is the module `remat.recipes.build.build_training_module` returned, ``params`` the model's parameters
+    (the gradient norm is taken over them), ``label_tokens`` the step's count from `step_label_tokens`.
+    ``max_norm`` None measures the norm without clipping. ``mark`` is called with each phase's name as it starts
+    (the estimate records its phases with it).
+    """
+    # DDP and FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share of the global sum
+    # (divided by the global label-token count), so scaling by dp_size turns that average into the sum.
+    grad_scale = float(setup.dp_size)
+    device_type = micro_batches[0]["input_ids"].device.type
+    total_loss = torch.zeros((), dtype=torch.float32)
+    count = len(micro_batches)
+    for index, batch in enumerate(micro_batches):
+        suffix = f" (micro-batch {index + 1})" if count > 1 else ""
+        mark("forward" + suffix)
+        with setup.gradient_sync(enabled=index == count - 1):
+            with autocast(autocast_dtype, device_type):
+                loss = root(batch, num_label_tokens=max(label_tokens, 1))
+            mark("backward" + suffix)
+            (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+        total_loss += loss.detach().float().cpu()
+        del loss
+    mark("optimizer step")
+    grad_norm = clip_grad_norm_tensor(params, max_norm)
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(loss=total_loss, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens)

@@ -1,0 +1,341 @@
+"""The directory protocol shared by both kinds of saved training state (`remat.recipes.training_state.single` and
+`.sharded`): the ``step_<N>`` layout and its file names, the ``COMPLETE.json`` marker, atomic publishing through a
+temporary directory and the ``latest`` pointer, pruning, the RNG state, and the parts of a step directory both write
+(the exported transformers model, the tokenizer, the train state JSON).
+
+Layout of one checkpoint, ``<root>/step_<N>/``: see `remat.recipes.training_state.single`. Everything is written
+into ``<root>/.tmp-step_<N>-<pid>/``, flushed to disk, and renamed to ``step_<N>`` in one step; then ``<root>/latest``
+(one line: ``step_<N>``) is replaced atomically and older checkpoints beyond ``keep_last`` are removed. A crash at any
+point leaves ``latest`` on a complete checkpoint; temporary and incomplete directories are never picked up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from remat.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+LATEST_FILE = "latest"
+COMPLETE_MARKER = "COMPLETE.json"
+MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+TRAIN_STATE_FILE = "train_state.json"
+RNG_STATE_FILE = "rng_state.pt"
+LAYOUT_SINGLE = "single"
+LAYOUT_SHARDED = "sharded"
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TEMP_DIR = re.compile(r"^\.tmp-step_\d+-(\d+)$")
+_TRASH_PREFIX = ".trash-"
+
+
+# ------------------------------------------------------------------------------------------------ public API
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint taken after `step` optimizer steps."""
+    return f"step_{step}"
+
+
+def find_latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint `root/latest` names if it is complete, else the complete one with the highest step, else None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    named = _read_latest_pointer(root)
+    if named is not None and is_complete_checkpoint(root / named):
+        return root / named
+    complete = list_checkpoints(root)
+    if not complete:
+        return None
+    if named is not None:
+        logger.warning("%s names %r, which is missing or incomplete; using %s", root / LATEST_FILE, named,
+                       complete[-1].name)
+    return complete[-1]
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints under `root`, oldest step first (temporary and incomplete directories left out)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and is_complete_checkpoint(p)]
+    return sorted(found, key=_step_of)
+
+
+def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a finished checkpoint: its marker parses, names its step, and every file has its size."""
+    path = Path(path)
+    marker = read_marker(path)
+    if marker is None or marker.get("format") != FORMAT_VERSION:
+        return False
+    match = _STEP_DIR.match(path.name)
+    if match is None or int(match.group(1)) != marker.get("step"):
+        return False
+    files = marker.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    for rel, size in files.items():
+        file = path / rel
+        if not file.is_file() or file.stat().st_size != size:
+            return False
+    return True
+
+
+def checkpoint_layout(path: str | os.PathLike[str]) -> str:
+    """``"single"`` (this module's format) or ``"sharded"`` (torch.distributed.checkpoint, written by FSDP2 runs) for
+    a complete checkpoint directory; ConfigError if `path` is not one."""
+    marker = read_marker(Path(path)) if is_complete_checkpoint(path) else None
+    if marker is None:
+        raise ConfigError(f"checkpoint path {str(path)!r} is not a complete checkpoint (no valid {COMPLETE_MARKER}).")
+    return str(marker.get("layout", LAYOUT_SINGLE))
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The state of every random generator a training step may draw from (torch CPU and CUDA, random, numpy)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = _numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back the generator states captured by `capture_rng_state`."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            logger.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d: not restored",
+                           len(state["cuda"]), torch.cuda.device_count())
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def check_save_arguments(step: int, keep_last: int | None) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step: must be a non-negative integer; got {step!r}.")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last: must be a positive integer or None (keep all); got {keep_last!r}.")
+
+
+def save_hf_model(model: PreTrainedModel, directory: Path, state_dict: dict[str, Any] | None = None) -> None:
+    """`save_pretrained` of `model` (with `state_dict` instead of the model's own tensors when given)."""
+    with quiet_progress_bars():
+        model.save_pretrained(directory, state_dict=state_dict)
+    _enable_cache_in_export(directory / "config.json")
+
+
+def _enable_cache_in_export(config_file: Path) -> None:
+    """Training turns the KV cache off; the exported config turns it back on for inference."""
+    config = json.loads(config_file.read_text())
+    if config.get("use_cache") is False:
+        config["use_cache"] = True
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def save_tokenizer(tokenizer: Any, directory: Path) -> None:
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+        return
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer: expected a transformers or tokenizers tokenizer; got {type(tokenizer).__name__}")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)
+
+
+def train_state_json(train_state: dict[str, Any]) -> str:
+    try:
+        return json.dumps(train_state, indent=2, sort_keys=True) + "\n"
+    except TypeError as err:
+        raise TypeError(f"train_state must hold JSON types only (dict, list, str, numbers, bool, None): {err}") from err
+
+
+def write_marker(directory: Path, step: int, *, peft: bool, layout: str = LAYOUT_SINGLE,
+                  extra: dict[str, Any] | None = None) -> None:
+    files = {
+        p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+    marker = {"format": FORMAT_VERSION, "layout": layout, "step": step, "peft": peft, **(extra or {}), "files": files}
+    (directory / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def publish(tmp: Path, final: Path) -> Path:
+    """Rename the finished temporary directory to its final name (replacing an older save of the same step)."""
+    if final.exists():
+        trash = final.with_name(f"{_TRASH_PREFIX}{final.name}-{os.getpid()}")
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_path(final.parent)
+    return final
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def prune(root: Path, keep_last: int, *, keep: Path) -> None:
+    """Delete complete checkpoints beyond `keep_last` (newest steps kept; `keep` always kept and counted)."""
+    others = [p for p in list_checkpoints(root) if p != keep]
+    for old in others[: max(0, len(others) - (keep_last - 1))]:
+        trash = old.with_name(f"{_TRASH_PREFIX}{old.name}-{os.getpid()}")
+        os.replace(old, trash)  # a half-deleted checkpoint never keeps its step_<N> name
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_stale_work_dirs(root: Path) -> None:
+    """Remove leftovers of interrupted saves and deletions by processes that no longer run."""
+    for entry in root.iterdir():
+        temp = _TEMP_DIR.match(entry.name)
+        stale_temp = temp is not None and not _pid_alive(int(temp.group(1)))
+        if entry.is_dir() and (stale_temp or entry.name.startswith(_TRASH_PREFIX)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync_path(path)
+    _fsync_path(directory)
+
+
+def _fsync_path(path: Path) -> None:
+    """Flush a file or directory entry to disk (directories cannot be opened for this on every OS)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _read_latest_pointer(root: Path) -> str | None:
+    try:
+        name = (root / LATEST_FILE).read_text().strip()
+    except OSError:
+        return None
+    return name if _STEP_DIR.match(name) else None
+
+
+def _step_of(path: Path) -> int:
+    match = _STEP_DIR.match(path.name)
+    assert match is not None
+    return int(match.group(1))
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    if is_complete_checkpoint(path):
+        return path
+    latest = find_latest_checkpoint(path) if path.is_dir() and not _STEP_DIR.match(path.name) else None
+    if latest is not None:
+        return latest
+    raise ConfigError(
+        f"checkpoint path {str(path)!r} is not a complete checkpoint (no valid {COMPLETE_MARKER}) nor a directory "
+        "holding one; give a step_<N> directory written by save_checkpoint or its parent."
+    )
+
+
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """Keep transformers' per-shard progress bars out of the training log."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile and DistributedDataParallel wrappers."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
