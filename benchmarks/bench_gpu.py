@@ -7,7 +7,7 @@ selective checkpointing (``create_selective_checkpoint_contexts`` around each de
 TorchTitan's: save matmuls except every second one, attention and max, recompute the rest). Each row runs with remat's
 plain loss (``MaskedCrossEntropy`` on logits) and with its fused loss (``FusedLinearCrossEntropy``).
 
-The step is the recipe's (`remat.memory.simulate.training_step`: forward, backward, clipping, AdamW), built by
+The step is the recipe's (`remat.recipes.step.train_step`: forward, backward, clipping, AdamW), built by
 ``bench_estimate_cuda.build_step`` from a remat preset. Per row: ``--warmup`` steps, then one step between
 ``reset_peak_memory_stats`` and ``max_memory_allocated`` (the peak), then ``--steps`` timed steps (each between
 ``torch.cuda.synchronize`` calls): median step time and tokens/s. A row that is refused (an error naming why) or runs
@@ -45,7 +45,7 @@ from bench_policies import POLICIES, enable_hf_checkpointing  # noqa: E402
 
 from remat.errors import CheckpointingError, ConfigError  # noqa: E402
 from remat.memory import LiveTensorTracker  # noqa: E402
-from remat.memory.simulate import StepSettings  # noqa: E402
+from remat.estimate.settings import StepSettings  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TORCH_SAC = "torch-sac"

@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     from remat.errors import ConfigError
-    from remat.recipes.checkpoint_io import find_latest_checkpoint
+    from remat.recipes.training_state import find_latest_checkpoint
     from remat.recipes.run_report import write_run_report
 
     if extra:
