@@ -41,7 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark modules, however this is started
 from bench_estimate_cuda import RealStep, build_step  # noqa: E402
-from bench_policies import POLICIES, enable_hf_checkpointing  # noqa: E402
+from bench_policies import POLICIES, hf_checkpointing  # noqa: E402
 
 from remat.errors import CheckpointingError, ConfigError  # noqa: E402
 from remat.memory import LiveTensorTracker  # noqa: E402
@@ -112,7 +112,7 @@ def enable_torch_selective(model: nn.Module) -> str:
 
 def _plan(step: RealStep, what: Any) -> str:
     if what is None:
-        return enable_hf_checkpointing(step.net)
+        return hf_checkpointing(step.net)
     if what == TORCH_SAC:
         return enable_torch_selective(step.net)
     return f"remat {what!r}: {step.plan or 'nothing checkpointed'}"

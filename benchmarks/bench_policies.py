@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat.checkpointing import apply_activation_checkpointing
+from remat.checkpointing.hf_native import enable_hf_checkpointing
 from remat.memory import LiveTensorTracker
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -105,24 +106,18 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     return model.train()
 
 
-def enable_hf_checkpointing(model: nn.Module) -> str:
-    """transformers' own checkpointing of every decoder layer (non-reentrant): ``activation_checkpointing_enable``
-    where this transformers has it, else ``gradient_checkpointing_enable``; returns the plan in words."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable()
-        name = "activation_checkpointing_enable()"
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        name = "gradient_checkpointing_enable()"
+def hf_checkpointing(model: nn.Module) -> str:
+    """transformers' own checkpointing of every decoder layer (non-reentrant), under the method name this
+    transformers has (`remat.checkpointing.hf_native`); returns the plan in words."""
+    name = enable_hf_checkpointing(model)
     model.config.use_cache = False
-    return f"transformers {name}: every decoder layer (non-reentrant), input embeddings require grad"
+    return f"transformers {name}(): every decoder layer (non-reentrant), input embeddings require grad"
 
 
 def prepare(label: str, policy: Any, base: nn.Module) -> Candidate:
     model = copy.deepcopy(base)
     if policy is None:
-        plan = enable_hf_checkpointing(model)
+        plan = hf_checkpointing(model)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

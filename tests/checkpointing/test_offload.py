@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -198,6 +199,15 @@ def _two_layer_block(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.tanh(torch.tanh(t @ w) @ w.t())
 
 
+def _checkpoint_placeholder_saves() -> int:
+    """Empty tensors one non-reentrant checkpoint call saves through the outer saved-tensor hooks along with its
+    inputs: torch 2.11's ``_NoopSaveInputs`` saves a 0-element dummy next to them (1), newer torch saves none (0)."""
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        checkpoint(torch.tanh, torch.ones(2, requires_grad=True), use_reentrant=False)
+    return sum(t.numel() == 0 for t in saved)
+
+
 def test_offload_around_full_checkpoint_moves_only_block_inputs() -> None:
     model = Chain(stages=4)
     x = torch.randn(ROWS, DIM) * 2
@@ -219,8 +229,10 @@ def test_offload_around_full_checkpoint_moves_only_block_inputs() -> None:
             with off:
                 h = checkpoint(_two_layer_block, h, w, use_reentrant=False)
         # Checkpoint saved its positional inputs through our hooks: four block inputs went to the host, the four
-        # weights stayed; nothing inside the regions reached us (recomputed in backward).
-        assert (off.stats.offloaded_tensors, off.stats.skipped) == (4, {"parameter": 4})
+        # weights stayed; nothing inside the regions reached us (recomputed in backward). Where checkpoint also saves
+        # an empty placeholder per call, that one is left alone as "small" (nothing to move).
+        skipped = Counter(parameter=4, small=4 * _checkpoint_placeholder_saves())
+        assert (off.stats.offloaded_tensors, +off.stats.skipped) == (4, +skipped)
         assert all(ref() is None for ref in input_refs)  # each block input now lives only in its host copy
         return h
 

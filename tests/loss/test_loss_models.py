@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from remat.checkpointing.hf_native import enable_hf_checkpointing, is_hf_checkpointing
 from remat.errors import ConfigError
 from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy, OutputHead, output_head
 
@@ -145,12 +146,12 @@ def test_mistakes_raise_config_errors_naming_the_argument(build, call, message) 
 def test_composes_with_activation_checkpointing_of_the_decoder_layers() -> None:
     ids, labels = _batch()
     plain_model, checkpointed = _model("llama", num_hidden_layers=2), _model("llama", num_hidden_layers=2)
-    checkpointed.activation_checkpointing_enable()
+    enable_hf_checkpointing(checkpointed)
     checkpointed.config.use_cache = plain_model.config.use_cache = False
     for model in (plain_model, checkpointed):
         model.train()
         _fused_loss(model, ids, labels).backward()
-    assert checkpointed.is_activation_checkpointing
+    assert is_hf_checkpointing(checkpointed) and not is_hf_checkpointing(plain_model)
     for (name, param), other in zip(plain_model.named_parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(other.grad, param.grad, rtol=1e-12, atol=1e-14, msg=name)
 

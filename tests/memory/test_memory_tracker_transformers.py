@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from remat.checkpointing.hf_native import enable_hf_checkpointing
 from remat.memory import LiveTensorTracker
 
 BATCH, SEQ, VOCAB = 2, 16, 64
@@ -29,7 +30,7 @@ def _llama_step(*, checkpointed: bool, fake: bool) -> tuple[LiveTensorTracker, i
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         if checkpointed:
-            model.activation_checkpointing_enable()
+            enable_hf_checkpointing(model)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
         ids = torch.randint(0, VOCAB, (BATCH, SEQ))

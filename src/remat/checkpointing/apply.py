@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from remat.checkpointing.discovery import find_blocks
+from remat.checkpointing.hf_native import hf_method
 from remat.checkpointing.plan import CheckpointPlan, LayerPlan
 from remat.checkpointing.policy import PolicyLike, merge_options, parse_policy
 from remat.checkpointing.resolve import resolve_plan
@@ -164,7 +165,7 @@ def _refuse_double_wrapping(model: nn.Module) -> None:
             f"transformers' own activation checkpointing is already on in {cls} ({len(hf)} modules, e.g. "
             f"{hf[0]!r}), enabled by gradient_checkpointing_enable() / activation_checkpointing_enable() (peft's "
             "prepare_model_for_kbit_training does this by default); both together would recompute blocks twice. "
-            "Call model.activation_checkpointing_disable() first, or keep transformers' and skip remat's"
+            f"Call model.{hf_method(model, 'disable')}() first, or keep transformers' and skip remat's"
         )
     torch_wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "CheckpointWrapper"]
     if torch_wrapped:
