@@ -172,3 +172,24 @@ def test_compiled_on_the_cpu_equals_the_eager_math_and_does_not_recompile_for_a_
     assert abs(loss.item() - ref.item()) <= 2e-6 * ref.item()
     assert all(_rel_err(g, r) <= 2e-6 for g, r in zip(grads, ref_grads, strict=True))
     assert compiled.compile_available()
+
+
+def test_under_fake_tensors_the_fast_path_allocates_like_the_kernel_and_never_compiles(monkeypatch) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def must_not_compile(fn):
+        raise AssertionError("compiled under FakeTensorMode")
+
+    math = CompiledChunkMath(compiler=must_not_compile)
+    monkeypatch.setattr(chunked, "CHUNK_MATH", math)
+    settings = chunked.ChunkSettings(scale=0.01, softcap=None, token_chunk=32, strategy="forward", fast=True)
+    with FakeTensorMode():  # how remat.estimate_memory simulates a step (it selects the label rows for real)
+        logits = torch.randn(64, 300, dtype=torch.bfloat16)
+        lse, loss = math(logits, torch.zeros(64, dtype=torch.long), torch.tensor(1.0), None)
+        assert lse.shape == loss.shape == (64,) and lse.dtype == torch.float32
+        h = torch.randn(128, 16, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(300, 16, dtype=torch.bfloat16, requires_grad=True)
+        targets, rows = torch.zeros(128, dtype=torch.long), torch.arange(100)
+        chunked.ChunkedLinearCrossEntropy.apply(h, w, None, targets, rows, settings).backward()
+        assert w.grad.shape == w.shape and w.grad.dtype == torch.bfloat16
+    assert math.failed is None
