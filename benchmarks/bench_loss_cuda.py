@@ -4,7 +4,7 @@ Rows (``--variants``):
 
 - ``plain``: ``logits = hidden @ weight.T`` then ``MaskedCrossEntropy`` (what a model does without a fused loss).
 - ``remat-compiled``: ``FusedLinearCrossEntropy(backend="torch", compile=True)``, the default on CUDA: compiled chunk
-  math, "forward" strategy, 1024-row chunks at a 128k vocabulary.
+  math, "forward" strategy, 768-row chunks at a 128k vocabulary.
 - ``remat-eager``: ``compile=False``, ``grad_strategy="auto"``: the eager path (what remat ran on CUDA before the fast
   path; "recompute" for a bf16 weight). ``remat-eager-forward`` / ``remat-eager-recompute`` force the strategy.
 - ``cce`` / ``liger``: ``FusedLinearCrossEntropy(backend="cce" | "liger")``, i.e. the kernel packages called through

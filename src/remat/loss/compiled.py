@@ -51,9 +51,15 @@ def softmax_xent_grad_(logits: Tensor, targets: Tensor, scale: Tensor,
     return lse, lse - target_logit
 
 
-def compile_available() -> bool:
-    """Whether ``torch.compile`` can run in this Python/torch at all (Dynamo supports the interpreter)."""
-    return bool(torch._dynamo.is_dynamo_supported())
+def compile_available(device: torch.device) -> bool:
+    """Whether ``torch.compile`` can compile for ``device``: Dynamo supports this Python, and Triton is there for a GPU."""
+    if not torch._dynamo.is_dynamo_supported():
+        return False
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return bool(has_triton())
+    return True
 
 
 class CompiledChunkMath:
