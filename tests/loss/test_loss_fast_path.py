@@ -48,11 +48,24 @@ def _run(fused, h, w, b, labels, softcap=None, reduction="mean"):
     return got, ref
 
 
-def test_cuda_gets_the_fast_path_with_bigger_chunks_and_the_cpu_keeps_the_eager_one() -> None:
+@pytest.fixture
+def triton_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan as on a GPU machine with Triton (this CPU machine has neither)."""
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+
+
+def test_cuda_without_triton_keeps_the_eager_path(monkeypatch) -> None:
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
+    weight = torch.empty(128256, 2048, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    assert not compiled.compile_available(CUDA) and compiled.compile_available(CPU)
+    assert not plan_chunks(CUDA, weight, 16384, None, "auto", None, None, None).fast
+
+
+def test_cuda_gets_the_fast_path_with_bigger_chunks_and_the_cpu_keeps_the_eager_one(triton_present) -> None:
     weight = torch.empty(128256, 2048, dtype=torch.bfloat16, device="meta", requires_grad=True)
     on_cuda = plan_chunks(CUDA, weight, 16384, None, "auto", None, None, None)
     assert on_cuda.fast and on_cuda.strategy == "forward" and on_cuda.chunk_bytes == FAST_CHUNK_BYTES
-    assert on_cuda.token_chunk == 1024  # 1024 rows x 128256 x 2 bytes = 250.5 MiB of bf16 logits, in place
+    assert on_cuda.token_chunk == 768  # 768 rows x 128256 x 2 bytes = 188 MiB of bf16 logits, in place
     on_cpu = plan_chunks(CPU, weight, 16384, None, "auto", None, None, None)
     assert not on_cpu.fast and on_cpu.strategy == "recompute" and on_cpu.token_chunk == 512
     assert not plan_chunks(CUDA, weight, 16384, None, "auto", False, None, None).fast  # compile=False: eager
@@ -62,7 +75,7 @@ def test_cuda_gets_the_fast_path_with_bigger_chunks_and_the_cpu_keeps_the_eager_
     assert forced.fast and forced.token_chunk == 300 and forced.chunk_bytes == 2**20
 
 
-def test_the_fast_path_is_chosen_by_the_loss_for_a_cuda_tensor(monkeypatch) -> None:
+def test_the_fast_path_is_chosen_by_the_loss_for_a_cuda_tensor(monkeypatch, triton_present) -> None:
     seen = []
     monkeypatch.setattr("remat.loss.fused.plan_chunks", lambda *args: seen.append(args) or plan_chunks(*args))
     h, w, _, labels = _inputs(0, torch.float32, bias=False)
@@ -171,4 +184,47 @@ def test_compiled_on_the_cpu_equals_the_eager_math_and_does_not_recompile_for_a_
     (loss, grads), (ref, ref_grads) = results[0]
     assert abs(loss.item() - ref.item()) <= 2e-6 * ref.item()
     assert all(_rel_err(g, r) <= 2e-6 for g, r in zip(grads, ref_grads, strict=True))
-    assert compiled.compile_available()
+    assert compiled.compile_available(CPU)
+
+
+def test_under_fake_tensors_the_fast_path_allocates_like_the_kernel_and_never_compiles(monkeypatch) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def must_not_compile(fn):
+        raise AssertionError("compiled under FakeTensorMode")
+
+    math = CompiledChunkMath(compiler=must_not_compile)
+    monkeypatch.setattr(chunked, "CHUNK_MATH", math)
+    settings = chunked.ChunkSettings(scale=0.01, softcap=None, token_chunk=32, strategy="forward", fast=True)
+    with FakeTensorMode():  # how remat.estimate_memory simulates a step (it selects the label rows for real)
+        logits = torch.randn(64, 300, dtype=torch.bfloat16)
+        lse, loss = math(logits, torch.zeros(64, dtype=torch.long), torch.tensor(1.0), None)
+        assert lse.shape == loss.shape == (64,) and lse.dtype == torch.float32
+        h = torch.randn(128, 16, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(300, 16, dtype=torch.bfloat16, requires_grad=True)
+        targets, rows = torch.zeros(128, dtype=torch.long), torch.arange(100)
+        chunked.ChunkedLinearCrossEntropy.apply(h, w, None, targets, rows, settings).backward()
+        assert w.grad.shape == w.shape and w.grad.dtype == torch.bfloat16
+    assert math.failed is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the fast path's default home)")
+def test_on_cuda_the_compiled_fast_path_is_exact_and_holds_the_gradients_plus_one_chunk() -> None:
+    vocab, hidden, tokens = 32000, 256, 4096
+    h, w, _, labels = _inputs(13, torch.bfloat16, bias=False, shape=(2, tokens // 2, hidden, vocab))
+    h, w, labels = h.cuda().requires_grad_(), w.cuda().requires_grad_(), labels.cuda()
+    fused = FusedLinearCrossEntropy(backend="torch", chunk_size=1024)
+    assert plan_chunks(h.device, w, tokens, None, "auto", None, 1024, None).fast
+    fused(h, w, labels).backward()  # compiles
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = fused(h, w, labels)
+    loss.backward()
+    working = torch.cuda.max_memory_allocated() - before
+    assert chunked.CHUNK_MATH.failed is None
+    gradients = h.numel() * 2 + w.numel() * 2
+    assert working <= 1.1 * (gradients + 1024 * vocab * 2) + 2**20  # no fp32 [rows, vocab] temporary
+    ref = reference_loss(h.detach().cpu(), w.detach().cpu(), labels.cpu())
+    assert abs(loss.item() - ref.item()) <= 1e-2 * ref.item()

@@ -41,10 +41,11 @@ GradStrategy = Literal["auto", "forward", "recompute"]
 
 #: Working-memory target of one chunk (its fp32 logits buffers plus low-precision copies), in bytes.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
-#: The same on the fast path (CUDA): one ``[rows, vocab]`` buffer in the input dtype. 256 MiB is 1024 rows of a 128k
-#: vocabulary in bf16: matmuls of 1024 rows keep a GPU's tensor cores busy, and the weight-gradient ``addmm`` reads
-#: and writes its ``[vocab, hidden]`` output once per chunk, so fewer, bigger chunks cost less memory traffic.
-FAST_CHUNK_BYTES = 256 * 2**20
+#: The same on the fast path (CUDA): one ``[rows, vocab]`` buffer in the input dtype. 192 MiB is 768 rows of a 128k
+#: vocabulary in bf16: matmuls of 768 rows keep a GPU's tensor cores busy, and the weight-gradient ``addmm`` reads and
+#: writes its ``[vocab, hidden]`` output once per chunk, so fewer, bigger chunks cost less memory traffic; a bigger
+#: budget would take the working memory at 16k tokens past 1.5x cut-cross-entropy's (its bf16 gradients, ~0.56 GiB).
+FAST_CHUNK_BYTES = 192 * 2**20
 #: Fewest rows (tokens) or vocabulary entries in a chunk, whatever the budget: a thin matmul wastes time (fp32
 #: ``[rows, 2048] @ [2048, 32768]`` on the 2-core CPU here: 80 / 98 / 129 / 139 GFLOP/s at 128 / 256 / 512 / 1024
 #: rows). 512 rows is also ~4% of the plain loss's three ``[tokens, vocab]`` fp32 tensors at 4096 tokens.
@@ -132,7 +133,7 @@ def plan_chunks(device: torch.device, weight: Tensor, num_tokens: int, softcap: 
     ``compile=True`` forces the fast path on any device (the CPU compiles it with a C++ compiler). The fast path runs
     the "forward" strategy; an explicit ``"recompute"`` runs eagerly wherever it is asked for.
     """
-    wanted = device.type == "cuda" and compile_available() if compile is None else compile
+    wanted = device.type == "cuda" and compile_available(device) if compile is None else compile
     fast = wanted and strategy != "recompute"
     budget = chunk_bytes or (FAST_CHUNK_BYTES if fast else DEFAULT_CHUNK_BYTES)
     token_chunk = chunk_size or auto_token_chunk(weight.shape[0], weight.dtype, softcap, budget, fast)

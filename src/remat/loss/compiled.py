@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 logger = logging.getLogger("remat.loss")
 
@@ -50,9 +51,15 @@ def softmax_xent_grad_(logits: Tensor, targets: Tensor, scale: Tensor,
     return lse, lse - target_logit
 
 
-def compile_available() -> bool:
-    """Whether ``torch.compile`` can run in this Python/torch at all (Dynamo supports the interpreter)."""
-    return bool(torch._dynamo.is_dynamo_supported())
+def compile_available(device: torch.device) -> bool:
+    """Whether ``torch.compile`` can compile for ``device``: Dynamo supports this Python, and Triton is there for a GPU."""
+    if not torch._dynamo.is_dynamo_supported():
+        return False
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return bool(has_triton())
+    return True
 
 
 class CompiledChunkMath:
@@ -74,6 +81,11 @@ class CompiledChunkMath:
 
     def __call__(self, logits: Tensor, targets: Tensor, scale: Tensor,
                  softcap: float | None) -> tuple[Tensor, Tensor]:
+        if is_fake(logits):
+            # remat's memory estimate simulates the step on fake tensors: allocate what the compiled kernel
+            # allocates (per-row outputs; the gradient goes into the logits buffer) and never compile
+            acc = torch.promote_types(logits.dtype, torch.float32)
+            return logits.new_empty(logits.shape[0], dtype=acc), logits.new_empty(logits.shape[0], dtype=acc)
         if self.failed is not None or torch.compiler.is_compiling():
             # an outer torch.compile traces the plain function itself
             return softmax_xent_grad_(logits, targets, scale, softcap)
