@@ -138,6 +138,8 @@ class CheckpointConfig(StrictModel):
 
     ``resume``: ``auto`` continues from the latest complete checkpoint in ``checkpoint_dir`` if there is one,
     ``never`` starts fresh (refusing to overwrite existing checkpoints), or a path to a ``step_N`` directory.
+    ``on_newer_checkpoints``: what a resume from a checkpoint older than others in ``checkpoint_dir`` does: ``refuse``
+    (stop with one line) or ``archive`` (move the newer ones into ``checkpoint_dir/archive/attempt-<N>/``, untouched).
     """
 
     enabled: bool = True
@@ -145,6 +147,7 @@ class CheckpointConfig(StrictModel):
     resume: str = "auto"
     keep_last: PositiveInt | None = 2
     save_final: bool = True
+    on_newer_checkpoints: Literal["refuse", "archive"] = "refuse"
 
 
 class LoggingConfig(StrictModel):

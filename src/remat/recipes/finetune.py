@@ -38,10 +38,13 @@ from remat.recipes.build import build_optimizer, build_recipe_model, build_train
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
+from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.step import autocast, step_label_tokens, train_step
 from remat.recipes.training_state import find_latest_checkpoint, state_store, store_for_saved
+from remat.recipes.training_state.history import check_saved_step, keep_newer_checkpoints
+from remat.recipes.training_state.layout import remove_stale_work_dirs
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
 
@@ -84,12 +87,14 @@ class FinetuneRecipe:
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
+        self.run_locks: RunLocks | None = None
 
     # ------------------------------------------------------------------------------------------------ building
 
     def setup(self) -> None:
         """Build tokenizer, data, model (+LoRA, checkpointing), optimizer, schedule and loss; resume if asked."""
         cfg = self.cfg
+        self._take_run_locks()
         _seed_everything(cfg.seed)
         with self.dist.local_main_first():  # one process per node trains/caches the tokenizer, the others load it
             self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
@@ -131,22 +136,30 @@ class FinetuneRecipe:
         if not path.is_dir():
             raise ConfigError(f"checkpoint.resume: {ckpt.resume!r} is not a checkpoint directory; "
                               "allowed: auto, never, or the path of a step_N checkpoint")
+        self._keep_newer_checkpoints(path)
         state = self._load(path)
-        self.step = int(state["step"])
+        self.step = check_saved_step(path, state["step"])
         self.batches.load_state_dict(state["data"])
         return path
 
     # ------------------------------------------------------------------------------------------------ training
 
     def run(self) -> RunResult:
-        """Set up (if not done) and train until ``max_steps`` or a stop request; returns what happened."""
+        """Set up (if not done) and train until ``max_steps`` or a stop request; returns what happened. The run holds
+        its output_dir (and checkpoint_dir) lock from setup to its end."""
+        try:
+            return self._run_holding_lock()
+        finally:
+            self.release_run_locks()
+
+    def _run_holding_lock(self) -> RunResult:
         if not hasattr(self, "model"):
             self.setup()
         cfg = self.cfg
         max_steps = cfg.step_scheduler.max_steps
         result = RunResult(start_step=self.step, final_step=self.step)
         reporter = RunReporter(cfg.logging, self.output_dir, total_steps=max_steps, start_step=self.step,
-                               enabled=self.dist.is_main_process)
+                               enabled=self.dist.is_main_process, attempt=self.attempt)
         with reporter, _stop_on_signals(self._on_signal):
             self._report_setup(reporter)
             if self.step >= max_steps:
@@ -186,6 +199,41 @@ class FinetuneRecipe:
         summary, png = write_run_report(self.output_dir, metrics_file=self.cfg.logging.metrics_file or "",
                                         model_dir=model_dir if model_dir is not None and model_dir.is_dir() else None)
         print("\n".join(["", *summary.lines(), f"report: {png}"]), flush=True)
+
+    # ------------------------------------------------------------------------------------------------ one writer
+
+    @property
+    def attempt(self) -> int:
+        """This run's attempt number in its output_dir (1 for the first run there), as its metrics rows record."""
+        return self.run_locks.attempt if self.run_locks is not None else 1
+
+    def _take_run_locks(self) -> None:
+        """Lock output_dir and checkpoint_dir for this run (ConfigError on every rank naming the holder when another
+        run has one), say so when a dead run's lock is taken over, and clear leftovers of interrupted saves."""
+        if self.run_locks is not None:
+            return
+        directories = {"output_dir": self.output_dir}
+        if self.cfg.checkpoint.enabled:
+            directories["checkpoint.checkpoint_dir"] = self.checkpoint_dir
+        self.run_locks = acquire_on_rank0(directories, rank=self.dist.rank, distributed=self.dist.is_distributed)
+        if self.dist.is_main_process:
+            for note in self.run_locks.notes:
+                print(note, flush=True)
+            if self.checkpoint_dir.is_dir():
+                remove_stale_work_dirs(self.checkpoint_dir)
+
+    def release_run_locks(self) -> None:
+        """Let go of this run's directory locks (``run`` does it when it ends)."""
+        if self.run_locks is not None:
+            self.run_locks.release()
+
+    def _keep_newer_checkpoints(self, resumed: Path) -> None:
+        """Never train over checkpoints newer than ``resumed`` silently: ``checkpoint.on_newer_checkpoints``."""
+        note = on_rank0(lambda: keep_newer_checkpoints(self.checkpoint_dir, resumed, attempt=self.attempt,
+                                                       policy=self.cfg.checkpoint.on_newer_checkpoints),
+                        rank=self.dist.rank, distributed=self.dist.is_distributed)
+        if note is not None and self.dist.is_main_process:
+            print(note, flush=True)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name

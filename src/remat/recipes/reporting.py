@@ -48,12 +48,16 @@ class StepRecord:
 class RunReporter:
     """Prints step lines (plain, or above a rich progress bar on a terminal) and appends metrics as JSON lines.
 
-    Only the main process reports; on the others every method is a no-op.
+    Every metrics row carries ``attempt``, the run's attempt number in its output_dir (see
+    `remat.recipes.run_lock`), so the rows of a resumed run that repeat steps of an earlier attempt can be told apart;
+    TensorBoard hides the events of steps after ``start_step`` that an earlier attempt logged. Only the main process
+    reports; on the others every method is a no-op.
     """
 
     def __init__(self, cfg: LoggingConfig, output_dir: Path, *, total_steps: int, start_step: int = 0,
-                 enabled: bool = True, stream: TextIO | None = None) -> None:
+                 enabled: bool = True, stream: TextIO | None = None, attempt: int = 1) -> None:
         self.cfg = cfg
+        self.attempt = attempt
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self._progress: Progress | None = None
@@ -81,7 +85,7 @@ class RunReporter:
                 raise ConfigError(
                     "logging.tensorboard: true needs the tensorboard package: pip install 'remat[tensorboard]'"
                 ) from err
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=start_step + 1)
 
     def info(self, message: str) -> None:
         """A line of text for the user (above the progress bar when there is one)."""
@@ -99,7 +103,7 @@ class RunReporter:
             self.info(record.line())
         if self._progress is not None:
             self._progress.update(self._task, completed=record.step, status=f"loss {record.loss:.4f}")
-        self._write({"kind": "train", **asdict(record)})
+        self._write({"kind": "train", "attempt": self.attempt, **asdict(record)})
         if self._tb is not None:
             for name in ("loss", "grad_norm", "lr", "tps"):
                 self._tb.add_scalar(f"train/{name}", getattr(record, name), record.step)
@@ -109,7 +113,7 @@ class RunReporter:
         if not self.enabled:
             return
         self.info(f"step {step} | val_loss {loss:.4f} | val_label_tokens {num_label_tokens}")
-        self._write({"kind": "validation", "step": step, "val_loss": loss, "num_label_tokens": num_label_tokens})
+        self._write({"kind": "validation", "attempt": self.attempt, "step": step, "val_loss": loss, "num_label_tokens": num_label_tokens})
         if self._tb is not None:
             self._tb.add_scalar("validation/loss", loss, step)
 

@@ -3,13 +3,15 @@
 ``remat report OUTPUT_DIR`` and the end of every training run call :func:`write_run_report`: it reads
 ``metrics.jsonl`` (one JSON object per optimizer step, ``kind: train``, and per validation, ``kind: validation``),
 draws ``report.png`` (loss with validation, peak memory, tokens/s, each over steps) and returns a
-:class:`RunSummary` whose ``lines()`` are printed. A resumed run appends to the same metrics file; when a step appears
-more than once (steps trained again after a crash), the last row for that step is the one shown.
+:class:`RunSummary` whose ``lines()`` are printed. A resumed run appends to the same metrics file, each row marked
+with its ``attempt``; when a step appears more than once (steps trained again after a crash), the latest attempt's row
+is the one shown, and steps that an earlier attempt trained beyond where a later one resumed are left out.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,26 +65,48 @@ def _duration(seconds: float) -> str:
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The train and validation rows of a metrics file, one per step (the last row wins), in step order."""
+    """The train and validation rows of a metrics file along the run's current line of history, one per step, in
+    step order: the latest attempt's rows, then each earlier attempt's rows for the steps before the later ones
+    began (`current_line`)."""
     if not path.is_file():
         raise ConfigError(f"{path}: no metrics file here; a run writes it when logging.metrics_file is set "
                           "(default metrics.jsonl in the output_dir)")
-    train: dict[int, dict[str, Any]] = {}
-    val: dict[int, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
     with path.open(encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                kind, step = row["kind"], int(row["step"])
+                row["step"] = int(row["step"])
+                row["kind"]  # noqa: B018 (a KeyError names the malformed row)
             except (ValueError, KeyError, TypeError):
                 raise ConfigError(f"{path}:{number}: not a metrics row (a JSON object with 'kind' and 'step')") from None
-            if kind == "train":
-                train[step] = row
-            elif kind == "validation":
-                val[step] = row
-    return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
+            rows.append(row)
+    kept = current_line(rows)
+    return ([r for r in kept if r["kind"] == "train"], [r for r in kept if r["kind"] == "validation"])
+
+
+def current_line(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows (in file order) reduced to one per (kind, step), sorted by step, following the newest attempt.
+
+    Rows are grouped into attempts by their ``attempt`` value in file order (files written before attempts were
+    recorded: the last row of a step wins). The newest attempt's rows are kept; an earlier attempt contributes only
+    the steps before the first train step of every later attempt, so a resumed run that went back (e.g. resumed from
+    an older checkpoint) never draws the abandoned steps of the run it replaced and duplicate steps never zig-zag."""
+    groups: list[list[dict[str, Any]]] = []
+    for row in rows:
+        if not groups or row.get("attempt") != groups[-1][-1].get("attempt"):
+            groups.append([])
+        groups[-1].append(row)
+    kept: dict[tuple[str, int], dict[str, Any]] = {}
+    floor = math.inf  # the first train step of every attempt newer than the group at hand
+    for group in reversed(groups):
+        own = {(row["kind"], row["step"]): row for row in group if row["step"] < floor}  # the group's last row wins
+        for key, row in own.items():
+            kept.setdefault(key, row)
+        floor = min([floor, *(row["step"] for row in group if row["kind"] == "train")])
+    return sorted(kept.values(), key=lambda r: (r["step"], r["kind"]))
 
 
 def summarize_run(train: list[dict[str, Any]], val: list[dict[str, Any]], *,

@@ -45,6 +45,7 @@ LAYOUT_SHARDED = "sharded"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TEMP_DIR = re.compile(r"^\.tmp-step_\d+-(\d+)$")
+_TEMP_FILE = re.compile(r"^\..+\.tmp-(\d+)$")  # atomic_write_text's `.<name>.tmp-<pid>`
 _TRASH_PREFIX = ".trash-"
 
 
@@ -216,8 +217,9 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def prune(root: Path, keep_last: int, *, keep: Path) -> None:
-    """Delete complete checkpoints beyond `keep_last` (newest steps kept; `keep` always kept and counted)."""
-    others = [p for p in list_checkpoints(root) if p != keep]
+    """Delete complete checkpoints beyond `keep_last` (newest steps kept; `keep` always kept and counted). Only the
+    line that leads to `keep` counts: steps after it (not this run's) and ``archive/`` are never touched."""
+    others = [p for p in list_checkpoints(root) if _step_of(p) < _step_of(keep)]
     for old in others[: max(0, len(others) - (keep_last - 1))]:
         trash = old.with_name(f"{_TRASH_PREFIX}{old.name}-{os.getpid()}")
         os.replace(old, trash)  # a half-deleted checkpoint never keeps its step_<N> name
@@ -225,12 +227,16 @@ def prune(root: Path, keep_last: int, *, keep: Path) -> None:
 
 
 def remove_stale_work_dirs(root: Path) -> None:
-    """Remove leftovers of interrupted saves and deletions by processes that no longer run."""
+    """Remove leftovers of interrupted saves and deletions by processes that no longer run (temporary step
+    directories, ``.trash-*`` directories and ``.latest.tmp-<pid>`` files)."""
     for entry in root.iterdir():
         temp = _TEMP_DIR.match(entry.name)
         stale_temp = temp is not None and not _pid_alive(int(temp.group(1)))
         if entry.is_dir() and (stale_temp or entry.name.startswith(_TRASH_PREFIX)):
             shutil.rmtree(entry, ignore_errors=True)
+        temp_file = _TEMP_FILE.match(entry.name)
+        if temp_file is not None and entry.is_file() and not _pid_alive(int(temp_file.group(1))):
+            entry.unlink(missing_ok=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -238,7 +244,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True

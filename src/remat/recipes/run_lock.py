@@ -1,0 +1,219 @@
+"""One writer per directory: a run holds ``<dir>/.remat.lock`` (``fcntl.flock``) on its ``output_dir`` and its
+``checkpoint_dir`` from setup to the end of ``run``.
+
+The operating system releases a ``flock`` when its holder dies (kill -9 included), so a lock never outlives its
+process. The file also holds a JSON body naming the holder (pid, host, start time, command line) and the run's
+attempt number (1 for the first run in this ``output_dir``, then counting up); a second run is refused with one line
+that quotes it. A body that was never marked released, whose lock is free, was left by a run that died: the next run
+says so in one line and takes it. The file itself is kept (removing a lock file races with its next holder).
+
+Under torchrun only rank 0 takes the locks; its outcome (the refusal, or the attempt number) is broadcast so every
+rank stops with the same message or goes on together. On a filesystem without ``flock`` the run goes on with a
+warning and no lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import torch.distributed as dist
+
+from remat.errors import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no locks, see `_lock_unsupported`
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".remat.lock"
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_COMMAND_CHARS = 300
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds (or last held) a directory's lock, as its lock file says."""
+
+    pid: int | None
+    host: str
+    started: str
+    command: str
+    attempt: int = 0
+    released: bool = False
+
+    @classmethod
+    def from_text(cls, text: str) -> LockHolder | None:
+        try:
+            body = json.loads(text)
+            return cls(pid=int(body["pid"]), host=str(body.get("host", "?")), started=str(body.get("started", "?")),
+                       command=str(body.get("command", "?")), attempt=int(body.get("attempt", 0)),
+                       released=bool(body.get("released", False)))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def to_text(self) -> str:
+        return json.dumps({"pid": self.pid, "host": self.host, "started": self.started, "command": self.command,
+                           "attempt": self.attempt, "released": self.released}) + "\n"
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, since {self.started}: {self.command}"
+
+    def is_dead(self) -> bool:
+        """Whether the holder is known not to run any more (only knowable on this host)."""
+        if self.pid is None or self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+@dataclass
+class RunLocks:
+    """The locks a run holds; ``release`` marks them released and lets them go (idempotent)."""
+
+    attempt: int = 1
+    notes: list[str] = field(default_factory=list)
+    _held: list[tuple[IO[str], LockHolder]] = field(default_factory=list)
+
+    def release(self) -> None:
+        while self._held:
+            handle, holder = self._held.pop()
+            with suppress(OSError):
+                _write_body(handle, LockHolder(holder.pid, holder.host, holder.started, holder.command,
+                                               holder.attempt, released=True))
+            handle.close()  # closing the descriptor drops the flock
+
+
+def acquire_run_locks(directories: dict[str, Path]) -> RunLocks:
+    """Lock every directory (``{recipe key: path}``, e.g. ``{"output_dir": ...}``) in this process; ConfigError
+    naming the key and the holder when another run holds one (the locks taken so far are let go)."""
+    locks = RunLocks()
+    me = LockHolder(pid=os.getpid(), host=socket.gethostname(),
+                    started=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    command=shlex.join(sys.argv)[:_COMMAND_CHARS])
+    seen: set[Path] = set()
+    try:
+        for index, (key, directory) in enumerate(directories.items()):
+            path = directory.resolve()
+            if path in seen:
+                continue
+            seen.add(path)
+            previous = _lock_one(key, path, me, locks)
+            if index == 0:  # the first directory (output_dir) counts the attempts
+                locks.attempt = (previous.attempt if previous is not None else 0) + 1
+        for handle, _ in locks._held:
+            _write_body(handle, LockHolder(me.pid, me.host, me.started, me.command, locks.attempt))
+    except BaseException:
+        locks.release()
+        raise
+    return locks
+
+
+def acquire_on_rank0(directories: dict[str, Path], *, rank: int, distributed: bool) -> RunLocks:
+    """`acquire_run_locks` on rank 0; every rank gets rank 0's attempt number or raises its ConfigError."""
+    held: list[RunLocks] = []
+
+    def take() -> int:
+        held.append(acquire_run_locks(directories))
+        return held[0].attempt
+
+    attempt = on_rank0(take, rank=rank, distributed=distributed)
+    locks = held[0] if held else RunLocks()
+    locks.attempt = attempt
+    return locks
+
+
+def on_rank0(action: Callable[[], T], *, rank: int, distributed: bool) -> T:
+    """Run ``action`` on rank 0 only and give its result, or its ConfigError, to every rank."""
+    outcome: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            outcome[1] = action()
+        except ConfigError as err:
+            outcome[0] = str(err)
+    if distributed:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise ConfigError(outcome[0])
+    return outcome[1]  # type: ignore[no-any-return]
+
+
+def _lock_one(key: str, directory: Path, me: LockHolder, locks: RunLocks) -> LockHolder | None:
+    """Take ``directory``'s lock into ``locks``; returns the body the previous holder left (None if none)."""
+    if fcntl is None:
+        _lock_unsupported(key, directory, "this system has no fcntl.flock", locks)
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder_of_held(handle)
+        handle.close()
+        who = holder.describe() if holder is not None else "a process that has not written its name yet"
+        raise ConfigError(
+            f"{key}: {directory} is in use by another run ({who}); wait for it to end or stop it, or give this run "
+            f"another {key}"
+        ) from None
+    except OSError as err:
+        handle.close()
+        if err.errno in _UNSUPPORTED:
+            _lock_unsupported(key, directory, f"flock is not supported there ({err.strerror})", locks)
+            return None
+        raise
+    locks._held.append((handle, me))
+    handle.seek(0)
+    previous = LockHolder.from_text(handle.read())
+    if previous is not None and not previous.released:
+        state = "no longer running" if previous.is_dead() else "its lock was free, so it has ended"
+        locks.notes.append(f"{key}: taking over the lock left by a run that did not end cleanly ({previous.describe()};"
+                           f" {state})")
+    return previous
+
+
+def _read_holder_of_held(handle: IO[str]) -> LockHolder | None:
+    """The holder's body, waiting briefly for a holder that has just taken the lock to write it."""
+    for _ in range(20):
+        handle.seek(0)
+        holder = LockHolder.from_text(handle.read())
+        if holder is not None and not holder.released:
+            return holder
+        time.sleep(0.05)
+    return None
+
+
+def _write_body(handle: IO[str], holder: LockHolder) -> None:
+    handle.seek(0)
+    handle.truncate()
+    handle.write(holder.to_text())
+    handle.flush()
+    with suppress(OSError):
+        os.fsync(handle.fileno())
+
+
+def _lock_unsupported(key: str, directory: Path, why: str, locks: RunLocks) -> None:
+    message = (f"{key}: cannot lock {directory} ({why}); going on without a lock, so make sure no other run uses "
+               "this directory at the same time")
+    logger.warning(message)
+    locks.notes.append(message)
