@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import errno
 import json
-import logging
 import os
 import shlex
 import socket
@@ -25,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -37,8 +36,6 @@ try:
     import fcntl
 except ImportError:  # not a POSIX system: no locks, see `_lock_unsupported`
     fcntl = None  # type: ignore[assignment]
-
-logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".remat.lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -90,7 +87,8 @@ class LockHolder:
 
 @dataclass
 class RunLocks:
-    """The locks a run holds; ``release`` marks them released and lets them go (idempotent)."""
+    """The locks a run holds, its attempt number, and ``notes``: lines for the run to print (a dead run's lock taken
+    over, no lock possible). ``release`` marks the locks released and lets them go (idempotent)."""
 
     attempt: int = 1
     notes: list[str] = field(default_factory=list)
@@ -100,8 +98,7 @@ class RunLocks:
         while self._held:
             handle, holder = self._held.pop()
             with suppress(OSError):
-                _write_body(handle, LockHolder(holder.pid, holder.host, holder.started, holder.command,
-                                               holder.attempt, released=True))
+                _write_body(handle, replace(holder, attempt=self.attempt, released=True))
             handle.close()  # closing the descriptor drops the flock
 
 
@@ -123,7 +120,7 @@ def acquire_run_locks(directories: dict[str, Path]) -> RunLocks:
             if index == 0:  # the first directory (output_dir) counts the attempts
                 locks.attempt = (previous.attempt if previous is not None else 0) + 1
         for handle, _ in locks._held:
-            _write_body(handle, LockHolder(me.pid, me.host, me.started, me.command, locks.attempt))
+            _write_body(handle, replace(me, attempt=locks.attempt))
     except BaseException:
         locks.release()
         raise
@@ -215,5 +212,4 @@ def _write_body(handle: IO[str], holder: LockHolder) -> None:
 def _lock_unsupported(key: str, directory: Path, why: str, locks: RunLocks) -> None:
     message = (f"{key}: cannot lock {directory} ({why}); going on without a lock, so make sure no other run uses "
                "this directory at the same time")
-    logger.warning(message)
     locks.notes.append(message)
