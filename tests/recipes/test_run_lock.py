@@ -86,6 +86,21 @@ def test_a_second_run_is_refused_before_building_naming_the_holder(tmp_path: Pat
     assert all(json.loads(line)["attempt"] == 2 for line in (output_dir / "metrics.jsonl").read_text().splitlines())
 
 
+def test_the_cli_refuses_a_second_run_in_one_line(tmp_path: Path, holders: list[Holder]) -> None:
+    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 2})
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
+    holders.append(Holder(Path(recipe["output_dir"])))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(remat.__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "remat.cli", "finetune", str(tmp_path / "recipe.yaml")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: output_dir: {Path(recipe['output_dir']).resolve()} is "
+                                                   f"in use by another run (pid {holders[0].proc.pid} on ")
+
+
 def test_a_shared_checkpoint_dir_is_refused_too(tmp_path: Path, holders: list[Holder]) -> None:
     shared = tmp_path / "shared-checkpoints"
     holders.append(Holder(tmp_path / "first-run", shared))
