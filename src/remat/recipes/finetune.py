@@ -92,7 +92,8 @@ class FinetuneRecipe:
     # ------------------------------------------------------------------------------------------------ building
 
     def setup(self) -> None:
-        """Build tokenizer, data, model (+LoRA, checkpointing), optimizer, schedule and loss; resume if asked."""
+        """Build tokenizer, data, model (+LoRA, checkpointing), optimizer, schedule and loss; resume if asked. First
+        takes the run's directory locks (`remat.recipes.run_lock`; ``run`` or ``release_run_locks`` lets them go)."""
         cfg = self.cfg
         self._take_run_locks()
         _seed_everything(cfg.seed)

@@ -142,18 +142,26 @@ def acquire_on_rank0(directories: dict[str, Path], *, rank: int, distributed: bo
 
 
 def on_rank0(action: Callable[[], T], *, rank: int, distributed: bool) -> T:
-    """Run ``action`` on rank 0 only and give its result, or its ConfigError, to every rank."""
-    outcome: list[Any] = [None, None]
+    """Run ``action`` on rank 0 only and give its result to every rank. When it fails, rank 0 raises its error and
+    the other ranks the same ConfigError (or a RuntimeError naming rank 0's failure), so no rank waits forever."""
+    outcome: list[Any] = [None, None, None]  # (ConfigError message, other failure, result)
+    failure: Exception | None = None
     if rank == 0:
         try:
-            outcome[1] = action()
+            outcome[2] = action()
         except ConfigError as err:
-            outcome[0] = str(err)
+            failure, outcome[0] = err, str(err)
+        except Exception as err:
+            failure, outcome[1] = err, f"{type(err).__name__}: {err}"
     if distributed:
         dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
     if outcome[0] is not None:
         raise ConfigError(outcome[0])
-    return outcome[1]  # type: ignore[no-any-return]
+    if outcome[1] is not None:
+        raise RuntimeError(f"rank 0 failed ({outcome[1]}); see its output")
+    return outcome[2]  # type: ignore[no-any-return]
 
 
 def _lock_one(key: str, directory: Path, me: LockHolder, locks: RunLocks) -> LockHolder | None:

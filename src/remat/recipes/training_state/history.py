@@ -50,7 +50,7 @@ def keep_newer_checkpoints(root: Path, resumed: Path, *, policy: str, attempt: i
     if policy != "archive":
         raise ConfigError(
             f"checkpoint.resume: {resumed} is older than {names} in {root}; training from it would replace them. "
-            f"Allowed: resume the newest (checkpoint.resume: auto or {newer[-1]}), set "
+            f"Allowed: resume the newest (checkpoint.resume: {newer[-1]}), set "
             f"checkpoint.on_newer_checkpoints: archive to move {names} into {root / ARCHIVE_DIR}/ first, or use "
             "another checkpoint.checkpoint_dir / output_dir"
         )
