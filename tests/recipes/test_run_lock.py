@@ -115,9 +115,9 @@ def test_a_shared_checkpoint_dir_is_refused_too(tmp_path: Path, holders: list[Ho
 
 def test_a_killed_runs_lock_is_taken_over_with_one_line(tmp_path: Path, holders: list[Holder],
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 1}, checkpoint={"enabled": False})
+    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 1})
     output_dir = Path(recipe["output_dir"])
-    holder = Holder(output_dir)
+    holder = Holder(output_dir, output_dir / "checkpoints")
     holders.append(holder)
     holder.kill9()  # the OS drops its flock; its body still names it, never marked released
     assert json.loads((output_dir / LOCK_FILE).read_text())["released"] is False
@@ -125,7 +125,7 @@ def test_a_killed_runs_lock_is_taken_over_with_one_line(tmp_path: Path, holders:
     assert result.final_step == 1
     notes = [line for line in capsys.readouterr().out.splitlines() if "taking over the lock" in line]
     assert len(notes) == 1
-    assert notes[0].startswith(f"output_dir: taking over the lock left by a run that did not end cleanly (pid "
+    assert notes[0].startswith(f"output_dir, checkpoint.checkpoint_dir: taking over the lock left by a run that did not end cleanly (pid "
                                f"{holder.proc.pid} on {socket.gethostname()}, since 20")
     assert notes[0].endswith("; no longer running)")
     assert f"lock_holder.py {output_dir}" in notes[0]

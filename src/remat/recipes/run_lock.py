@@ -108,8 +108,9 @@ def acquire_run_locks(directories: dict[str, Path]) -> RunLocks:
     locks = RunLocks()
     me = LockHolder(pid=os.getpid(), host=socket.gethostname(),
                     started=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    command=shlex.join(sys.argv)[:_COMMAND_CHARS])
+                    command=_command_line())
     seen: set[Path] = set()
+    stale: dict[LockHolder, list[str]] = {}
     try:
         for index, (key, directory) in enumerate(directories.items()):
             path = directory.resolve()
@@ -119,6 +120,12 @@ def acquire_run_locks(directories: dict[str, Path]) -> RunLocks:
             previous = _lock_one(key, path, me, locks)
             if index == 0:  # the first directory (output_dir) counts the attempts
                 locks.attempt = (previous.attempt if previous is not None else 0) + 1
+            if previous is not None and not previous.released:
+                stale.setdefault(previous, []).append(key)
+        for previous, keys in stale.items():  # one line per dead run, naming every directory it held
+            state = "no longer running" if previous.is_dead() else "its lock was free, so it has ended"
+            locks.notes.append(f"{', '.join(keys)}: taking over the lock left by a run that did not end cleanly "
+                               f"({previous.describe()}; {state})")
         for handle, _ in locks._held:
             _write_body(handle, replace(me, attempt=locks.attempt))
     except BaseException:
@@ -190,10 +197,6 @@ def _lock_one(key: str, directory: Path, me: LockHolder, locks: RunLocks) -> Loc
     locks._held.append((handle, me))
     handle.seek(0)
     previous = LockHolder.from_text(handle.read())
-    if previous is not None and not previous.released:
-        state = "no longer running" if previous.is_dead() else "its lock was free, so it has ended"
-        locks.notes.append(f"{key}: taking over the lock left by a run that did not end cleanly ({previous.describe()};"
-                           f" {state})")
     return previous
 
 
@@ -206,6 +209,15 @@ def _read_holder_of_held(handle: IO[str]) -> LockHolder | None:
             return holder
         time.sleep(0.05)
     return None
+
+
+def _command_line() -> str:
+    """This process's command line, with the remat CLI shown as ``remat`` however it was started."""
+    argv = list(sys.argv) or ["python"]
+    program = Path(argv[0])
+    if program.name == "remat" or (program.parent.name == "remat" and program.name in ("cli.py", "__main__.py")):
+        argv[0] = "remat"
+    return shlex.join(argv)[:_COMMAND_CHARS]
 
 
 def _write_body(handle: IO[str], holder: LockHolder) -> None:
