@@ -86,13 +86,15 @@ def test_a_second_run_is_refused_before_building_naming_the_holder(tmp_path: Pat
     assert all(json.loads(line)["attempt"] == 2 for line in (output_dir / "metrics.jsonl").read_text().splitlines())
 
 
-def test_the_cli_refuses_a_second_run_in_one_line(tmp_path: Path, holders: list[Holder]) -> None:
-    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 2})
+@pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["in-process", "before-torchrun"])
+def test_the_cli_refuses_a_second_run_in_one_line(tmp_path: Path, holders: list[Holder], launch: list[str]) -> None:
+    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 2},
+                         distributed={"strategy": "ddp" if launch else "single"})
     (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
     holders.append(Holder(Path(recipe["output_dir"])))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(remat.__file__).parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "remat.cli", "finetune", str(tmp_path / "recipe.yaml")],
+    proc = subprocess.run([sys.executable, "-m", "remat.cli", "finetune", str(tmp_path / "recipe.yaml"), *launch],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2
     assert proc.stdout == ""

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
     from remat.recipes.loader import load_recipe
+    from remat.recipes.run_lock import refuse_if_held, run_directories
 
     cfg = load_recipe(args.recipe, overrides)
     if args.print_config:
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
             check_parallel_layout(cfg, world_size)
+        refuse_if_held(run_directories(cfg))  # another run writes there: refused before starting workers
         if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
             check_cuda_devices(int(options.nproc_per_node or "1"))
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]

@@ -38,7 +38,7 @@ from remat.recipes.build import build_optimizer, build_recipe_model, build_train
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
-from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0
+from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.step import autocast, step_label_tokens, train_step
@@ -213,10 +213,8 @@ class FinetuneRecipe:
         run has one), say so when a dead run's lock is taken over, and clear leftovers of interrupted saves."""
         if self.run_locks is not None:
             return
-        directories = {"output_dir": self.output_dir}
-        if self.cfg.checkpoint.enabled:
-            directories["checkpoint.checkpoint_dir"] = self.checkpoint_dir
-        self.run_locks = acquire_on_rank0(directories, rank=self.dist.rank, distributed=self.dist.is_distributed)
+        self.run_locks = acquire_on_rank0(run_directories(self.cfg), rank=self.dist.rank,
+                                          distributed=self.dist.is_distributed)
         if self.dist.is_main_process:
             for note in self.run_locks.notes:
                 print(note, flush=True)

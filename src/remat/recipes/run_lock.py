@@ -31,6 +31,7 @@ from typing import IO, Any, TypeVar
 import torch.distributed as dist
 
 from remat.errors import ConfigError
+from remat.recipes.config import RecipeConfig
 
 try:
     import fcntl
@@ -178,6 +179,44 @@ def _lock_one(key: str, directory: Path, me: LockHolder, locks: RunLocks) -> Loc
         return None
     directory.mkdir(parents=True, exist_ok=True)
     handle = open(directory / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+    unsupported = _flock_or_refuse(key, directory, handle)
+    if unsupported is not None:
+        _lock_unsupported(key, directory, unsupported, locks)
+        return None
+    locks._held.append((handle, me))
+    handle.seek(0)
+    previous = LockHolder.from_text(handle.read())
+    return previous
+
+
+def refuse_if_held(directories: dict[str, Path]) -> None:
+    """ConfigError naming the holder when another run holds the lock of one of ``directories``; takes nothing. The
+    launcher's early check, before it starts workers (which then take the locks themselves)."""
+    if fcntl is None:
+        return
+    for key, directory in directories.items():
+        path = directory.resolve()
+        if not (path / LOCK_FILE).is_file():
+            continue
+        handle = open(path / LOCK_FILE, encoding="utf-8")  # noqa: SIM115 (closed below or by _flock_or_refuse)
+        if _flock_or_refuse(key, path, handle) is None:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        handle.close()
+
+
+def run_directories(cfg: RecipeConfig) -> dict[str, Path]:
+    """The directories a run of ``cfg`` writes, by recipe key: output_dir, and checkpoint_dir when it saves."""
+    output_dir = Path(cfg.output_dir)
+    directories = {"output_dir": output_dir}
+    if cfg.checkpoint.enabled:
+        directories["checkpoint.checkpoint_dir"] = Path(cfg.checkpoint.checkpoint_dir or output_dir / "checkpoints")
+    return directories
+
+
+def _flock_or_refuse(key: str, directory: Path, handle: IO[str]) -> str | None:
+    """Take ``handle``'s flock (exclusive, non-blocking): None when taken, the reason when flock does not work
+    there (``handle`` closed); ConfigError naming the holder when another process holds it (``handle`` closed)."""
+    assert fcntl is not None
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -191,13 +230,9 @@ def _lock_one(key: str, directory: Path, me: LockHolder, locks: RunLocks) -> Loc
     except OSError as err:
         handle.close()
         if err.errno in _UNSUPPORTED:
-            _lock_unsupported(key, directory, f"flock is not supported there ({err.strerror})", locks)
-            return None
+            return f"flock is not supported there ({err.strerror})"
         raise
-    locks._held.append((handle, me))
-    handle.seek(0)
-    previous = LockHolder.from_text(handle.read())
-    return previous
+    return None
 
 
 def _read_holder_of_held(handle: IO[str]) -> LockHolder | None:
