@@ -110,8 +110,10 @@ def test_a_shared_checkpoint_dir_is_refused_too(tmp_path: Path, holders: list[Ho
     with pytest.raises(ConfigError, match=r"^checkpoint\.checkpoint_dir: .*shared-checkpoints is in use by another "
                                           r"run \(pid \d+ .*give this run another checkpoint\.checkpoint_dir$"):
         run_recipe(recipe)
-    # The output_dir lock this run took before it met the held one was let go.
+    # The output_dir lock this run took before it met the held one was let go, its body untouched (no attempt
+    # counted for a refused run).
     locks = acquire_run_locks({"output_dir": tmp_path / "second-run"})
+    assert (locks.attempt, locks.notes) == (1, [])
     locks.release()
 
 

@@ -127,6 +127,11 @@ def acquire_run_locks(directories: dict[str, Path]) -> RunLocks:
             state = "no longer running" if previous.is_dead() else "its lock was free, so it has ended"
             locks.notes.append(f"{', '.join(keys)}: taking over the lock left by a run that did not end cleanly "
                                f"({previous.describe()}; {state})")
+    except BaseException:  # refused: let go of what was taken, leaving every lock file's body as it was
+        for handle, _ in locks._held:
+            handle.close()
+        raise
+    try:
         for handle, _ in locks._held:
             _write_body(handle, replace(me, attempt=locks.attempt))
     except BaseException:
