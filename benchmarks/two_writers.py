@@ -51,9 +51,10 @@ def one_try(work: Path, max_steps: int, kill: bool) -> dict[str, Any]:
     recipe.write_text(RECIPE.format(output_dir=output_dir, max_steps=max_steps))
     runs = [start(recipe), start(recipe)]
     outcome: dict[str, Any] = {}
-    if kill:  # kill the trainer (the one still running) once it has saved step_5
+    if kill:  # kill the trainer once it has saved step_5 and the other run has been refused
         deadline = time.monotonic() + 600
-        while not (output_dir / "checkpoints" / "step_5").is_dir() and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not ((output_dir / "checkpoints" / "step_5").is_dir()
+                                                   and any(p.poll() is not None for p in runs)):
             time.sleep(0.2)
         alive = [p for p in runs if p.poll() is None]
         for proc in alive:
