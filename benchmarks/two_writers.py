@@ -34,9 +34,23 @@ distributed: {{device: cpu}}
 """
 
 
-def start(recipe: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "remat.cli", "finetune", str(recipe)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start(recipe: Path, name: str) -> subprocess.Popen[str]:
+    """A run whose output goes to files beside the recipe (pipes nobody reads would stall a trainer)."""
+    out = open(recipe.with_name(f"{name}.out"), "w+")  # noqa: SIM115 (read back in `finish`)
+    err = open(recipe.with_name(f"{name}.err"), "w+")  # noqa: SIM115
+    return subprocess.Popen([sys.executable, "-m", "remat.cli", "finetune", str(recipe)], stdout=out, stderr=err,
+                            text=True)
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
+    code = proc.wait()
+    texts = []
+    for handle in (proc.stdout, proc.stderr):
+        assert handle is not None
+        handle.seek(0)
+        texts.append(handle.read())
+        handle.close()
+    return code, texts[0], texts[1]
 
 
 def train_rows(output_dir: Path) -> list[dict[str, Any]]:
@@ -49,7 +63,7 @@ def one_try(work: Path, max_steps: int, kill: bool) -> dict[str, Any]:
     output_dir = work / "run"
     recipe = work / "recipe.yaml"
     recipe.write_text(RECIPE.format(output_dir=output_dir, max_steps=max_steps))
-    runs = [start(recipe), start(recipe)]
+    runs = [start(recipe, "a"), start(recipe, "b")]
     outcome: dict[str, Any] = {}
     if kill:  # kill the trainer once it has saved step_5 and the other run has been refused
         deadline = time.monotonic() + 600
@@ -60,7 +74,7 @@ def one_try(work: Path, max_steps: int, kill: bool) -> dict[str, Any]:
         for proc in alive:
             os.kill(proc.pid, signal.SIGKILL)
         outcome["killed"] = len(alive)
-    results = [(p.wait(), *p.communicate()) for p in runs]
+    results = [finish(p) for p in runs]
     codes = sorted(code for code, _, _ in results)
     refused = [err for code, out, err in results if code == 2]
     outcome["exit_codes"] = codes
