@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 RECIPE = """\
 seed: 7
@@ -34,19 +34,23 @@ distributed: {{device: cpu}}
 """
 
 
+_FILES: dict[int, tuple[IO[str], IO[str]]] = {}
+
+
 def start(recipe: Path, name: str) -> subprocess.Popen[str]:
     """A run whose output goes to files beside the recipe (pipes nobody reads would stall a trainer)."""
     out = open(recipe.with_name(f"{name}.out"), "w+")  # noqa: SIM115 (read back in `finish`)
     err = open(recipe.with_name(f"{name}.err"), "w+")  # noqa: SIM115
-    return subprocess.Popen([sys.executable, "-m", "remat.cli", "finetune", str(recipe)], stdout=out, stderr=err,
+    proc = subprocess.Popen([sys.executable, "-m", "remat.cli", "finetune", str(recipe)], stdout=out, stderr=err,
                             text=True)
+    _FILES[proc.pid] = (out, err)
+    return proc
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     code = proc.wait()
     texts = []
-    for handle in (proc.stdout, proc.stderr):
-        assert handle is not None
+    for handle in _FILES.pop(proc.pid):
         handle.seek(0)
         texts.append(handle.read())
         handle.close()
