@@ -46,10 +46,9 @@ _FLAGS: tuple[tuple[str, str], ...] = (
 def register(subparsers: Any) -> None:
     from typing import get_args
 
-    from remat.distributed import MIXED_PRECISION, STRATEGIES
-    from remat.estimate.settings import LOSS_TARGETS
-    from remat.estimate.simulate import TARGETS
-    from remat.models import preset_names
+    from remat.distributed.choices import MIXED_PRECISION, STRATEGIES
+    from remat.estimate.choices import LOSS_TARGETS, TARGETS
+    from remat.models.presets import preset_names
     from remat.models.config import AutocastDtype, ParamDtype
 
     parser = subparsers.add_parser(

@@ -44,15 +44,17 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
-    from remat.distributed.env import ProcessEnv, check_cuda_devices
-    from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
-    from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
     from remat.recipes.loader import load_recipe
 
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = load_recipe(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
         return 0
+
+    from remat.distributed.env import ProcessEnv, check_cuda_devices
+    from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
+    from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
+
     options = LaunchOptions.from_namespace(args)
     if check_launch_environment(options):
         world_size = options.num_processes()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from remat.distributed.choices import DEVICE_CHOICES
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,6 @@ def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     return all(name in env for name in TORCHRUN_VARIABLES)
 
 
-#: Values of ``distributed.device``: ``auto`` picks CUDA when every local rank can have a GPU of its own.
-DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 
 
 def resolve_device(choice: str | torch.device | None, env: ProcessEnv) -> torch.device:

@@ -15,7 +15,6 @@ import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from remat.distributed.env import under_torchrun
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -93,6 +92,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 def check_launch_environment(options: LaunchOptions, environ: Mapping[str, str] | None = None) -> bool:
     """True when workers must be launched; False when already under torchrun (its own numbers win, and a
     contradicting ``--nproc-per-node`` is a ConfigError)."""
+    from remat.distributed.env import under_torchrun
+
     if not options.requested:
         return False
     if not under_torchrun(environ):

@@ -19,14 +19,15 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy
-from remat.distributed.env import DEVICE_CHOICES, ProcessEnv, init_process_group, resolve_device
+from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES, Strategy
+from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
 from remat.errors import CheckpointingError, ConfigError
 
 if TYPE_CHECKING:
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Strategy = Literal["single", "ddp", "fsdp2"]
-STRATEGIES: tuple[str, ...] = ("single", "ddp", "fsdp2")
-MIXED_PRECISION: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 
 @dataclass

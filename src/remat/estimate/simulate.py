@@ -32,7 +32,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from remat.data import IGNORE_INDEX
 from remat.distributed import DistributedSetup, validate_settings
 from remat.errors import ConfigError
+from remat.estimate.choices import TARGETS, Target
 from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
 from remat.memory.tracker import LiveTensorTracker
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
 from remat.recipes.config import RecipeConfig
 from remat.recipes.step import step_label_tokens, train_step
 
-Target = Literal["cuda", "cpu"]
-TARGETS: Final[tuple[str, ...]] = ("cuda", "cpu")
 DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 """DistributedDataParallel's default bucket capacity (the first bucket is ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 GRADIENT_BUCKETS: Final[str] = "gradient_buckets"

@@ -13,8 +13,8 @@ from torch import Tensor
 from remat.errors import ConfigError
 from remat.loss.backends import Backend, KernelRequest, check_backend, kernel_loss_sum, select_backend
 from remat.loss.chunked import ChunkedLinearCrossEntropy, ChunkSettings, GradStrategy, plan_chunks
+from remat.loss.contract import LossInput
 from remat.loss.targets import (
-    LossInput,
     Reduction,
     check_labels,
     check_reduction,

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from remat.errors import ConfigError
+from remat.loss.contract import LossInput
 from remat.loss.targets import (
-    LossInput,
     Reduction,
     check_labels,
     check_reduction,

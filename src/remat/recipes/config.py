@@ -20,11 +20,10 @@ from pydantic import (
     model_validator,
 )
 
-from remat.checkpointing import CheckpointPolicy, parse_policy
+from remat.checkpointing.policy import CheckpointPolicy, parse_policy
 from remat.config_base import StrictModel
 from remat.data.config import DatasetConfig, TokenizerConfig
-from remat.distributed import MIXED_PRECISION, STRATEGIES
-from remat.distributed.env import DEVICE_CHOICES
+from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES
 from remat.models.config import ModelConfig
 
 

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from remat.errors import ConfigError, RematError
-from remat.loss import loss_input
+from remat.loss.contract import loss_input
 from remat.recipes.config import RecipeConfig, TargetConfig
 from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
@@ -236,7 +236,7 @@ def _describe(item: Mapping[str, Any], loc: list[str], key: str, root: type[Base
         allowed = _allowed_keys(root, loc[:-1])
         close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
         hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])!r}?" if close else ""
-        return f"{key}: unknown key{hint} Allowed keys here: {', '.join(allowed)}"
+        return f"{key}: unknown key{hint}; allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required key is missing"
     if kind == "literal_error":
