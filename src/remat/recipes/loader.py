@@ -11,7 +11,8 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -54,8 +55,10 @@ RUNNER_ONLY_KEYS: dict[str, str] = {
 }
 
 
-def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
-    """Turn ``["--a.b", "1", "--c=x"]`` into ``[("a.b", 1), ("c", "x")]``."""
+def parse_overrides(args: Sequence[str], schema: type[BaseModel] | None = None) -> list[tuple[str, Any]]:
+    """Turn ``["--a.b", "1", "--c=x"]`` into ``[("a.b", 1), ("c", "x")]``. Values are read as YAML, except that a key
+    whose field in ``schema`` holds text only (``output_dir``, a path, a name) keeps the text as written:
+    ``--output_dir 20240101`` is the directory "20240101", not a number."""
     pairs: list[tuple[str, Any]] = []
     i = 0
     while i < len(args):
@@ -73,7 +76,8 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
             i += 2
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {arg!r}: malformed key {key!r}")
-        pairs.append((key, _parse_value(raw)))
+        as_text = schema is not None and _is_text_field(schema, key.split("."))
+        pairs.append((key, raw if as_text else _parse_value(raw)))
     return pairs
 
 
@@ -145,7 +149,8 @@ def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str,
     """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate."""
     data = read_yaml(path)
     _refuse_runner_only_keys(data, path)
-    pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
+    pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
+             else list(overrides))
     return validate_recipe(apply_overrides(data, pairs))  # type: ignore[arg-type]
 
 
@@ -239,6 +244,8 @@ def _describe(item: Mapping[str, Any], loc: list[str], key: str, root: type[Base
         return f"{key}: unknown key{hint}; allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required key is missing"
+    if kind == "string_type" and isinstance(given, (int, float)) and not isinstance(given, bool):
+        return f"{key}: expected text, got the number {given!r}; write it in quotes in YAML: {key.split('.')[-1]}: '{given}'"
     if kind == "literal_error":
         expected = item.get("ctx", {}).get("expected", "")
         return f"{key}: got {given!r}; allowed: {expected}"
@@ -259,6 +266,25 @@ def _allowed_keys(root: type[BaseModel], loc: list[str]) -> list[str]:
         model = _model_of(fields[part].annotation)
     fields = getattr(model, "model_fields", {})
     return [(f.alias or name) for name, f in fields.items()]
+
+
+def _is_text_field(root: type[BaseModel], parts: list[str]) -> bool:
+    """Whether the field at the dotted path ``parts`` accepts text only (str or a path, maybe None; no numbers)."""
+    model: Any = root
+    for part in parts[:-1]:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return False
+        model = _model_of(fields[part].annotation)
+    info = getattr(model, "model_fields", {}).get(parts[-1])
+    if info is None:
+        return False
+    annotation = info.annotation
+    if get_origin(annotation) in (Union, UnionType):  # str | None, Optional[Path]
+        kinds = {arg for arg in get_args(annotation) if arg is not type(None)}
+    else:  # list[str], dict[...] and the like are not text
+        kinds = {annotation} if get_origin(annotation) is None else {list}
+    return bool(kinds) and kinds <= {str, Path}
 
 
 def _model_of(annotation: Any) -> Any:
