@@ -216,3 +216,22 @@ def test_the_checkpointing_policy_is_parsed_once_and_carried_typed() -> None:
     dumped = cfg.model_dump(mode="json", by_alias=True)
     assert dumped["distributed"]["activation_checkpointing"] == {"mode": "full", "every_n_layers": 2}
     assert validate_recipe(dumped).distributed.activation_checkpointing == policy  # a saved config reloads
+
+
+@pytest.mark.parametrize(("key", "value", "allowed"), [
+    ("lr", -1e-4, "a positive finite number"),
+    ("lr", float("inf"), "a positive finite number"),
+    ("lr", "fast", "a positive finite number"),
+    ("eps", 0, "a positive finite number"),
+    ("weight_decay", -0.1, "a finite number >= 0"),
+    ("betas", [0.9], r"two numbers in \[0, 1\)"),
+    ("betas", [0.9, 1.5], r"two numbers in \[0, 1\)"),
+])
+def test_optimizer_hyperparameters_are_checked_when_the_recipe_is_read(key: str, value: Any, allowed: str) -> None:
+    with pytest.raises(ConfigError, match=rf"optimizer\.{key}: got .*; allowed: {allowed}"):
+        validate_recipe(with_(f"optimizer.{key}", value))
+
+
+def test_good_optimizer_hyperparameters_pass() -> None:
+    cfg = validate_recipe(with_("optimizer", {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}))
+    assert cfg.optimizer.kwargs["betas"] == [0.9, 0.95]

@@ -7,6 +7,8 @@ validation errors into messages that name the dotted key, the given value and wh
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,6 +26,7 @@ from remat.checkpointing.policy import CheckpointPolicy, parse_policy
 from remat.config_base import StrictModel
 from remat.data.config import DatasetConfig, TokenizerConfig
 from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES
+from remat.errors import ConfigError
 from remat.models.config import ModelConfig
 
 
@@ -62,6 +65,29 @@ class OptimizerConfig(TargetConfig):
     keyword arguments."""
 
     target: str = Field(default="torch.optim.AdamW", alias="_target_")
+
+    @model_validator(mode="after")
+    def _check_hyperparameters(self) -> OptimizerConfig:
+        """The usual hyper-parameters, checked when the recipe is read (not after the model is built)."""
+        for name, value in self.kwargs.items():
+            check = _OPTIMIZER_VALUE_CHECKS.get(name)
+            if check is not None and not check[0](value):
+                raise ConfigError(f"optimizer.{name}: got {value!r}; allowed: {check[1]}")
+        return self
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_OPTIMIZER_VALUE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "lr": (lambda v: _number(v) and v > 0, "a positive finite number, e.g. 3e-4"),
+    "eps": (lambda v: _number(v) and v > 0, "a positive finite number, e.g. 1e-8"),
+    "weight_decay": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+    "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+}
 
 
 class LossConfig(TargetConfig):
