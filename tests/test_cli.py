@@ -24,6 +24,10 @@ def test_finetune_help_lists_every_recipe_key(capsys: pytest.CaptureFixture[str]
                 "model.output_hidden_states", "dataset.seq_length", "checkpoint.resume", "peft.r",
                 "validation_dataset.split", "logging.memory"):
         assert key in out, key
+    for raw in ("typing.", "Optional[", "Annotated[", "Gt(", "<class", "CheckpointPolicy("):
+        assert raw not in out, raw  # types read as a person writes them
+    assert "step_scheduler.val_every_steps  [int > 0 or null]  default null" in out
+    assert "lr_scheduler.decay  [one of cosine | linear | constant]  default 'cosine'" in out
 
 
 def test_config_error_is_one_message_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

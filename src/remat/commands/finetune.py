@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import types
 from typing import Any
 
 from pydantic import BaseModel
@@ -85,12 +86,47 @@ def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:
             lines.append(f"  {key}:" + ("  (optional section)" if optional else ""))
             lines.extend(schema_lines(nested, key + "."))
             continue
-        type_name = str(info.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-        default = "required" if info.is_required() else f"default {info.get_default(call_default_factory=True)!r}"
-        lines.append(f"  {key}  [{type_name}]  {default}")
+        default = "required" if info.is_required() else f"default {_show(info.get_default(call_default_factory=True))}"
+        lines.append(f"  {key}  [{type_label(info.annotation)}]  {default}")
         if model.model_config.get("extra") == "allow" and name == "target":
             lines.append(f"  {prefix}<argument>  other keys are keyword arguments of the _target_")
     return lines
+
+
+def type_label(annotation: Any) -> str:
+    """A recipe key's type as a person reads it: ``int > 0 or null``, ``one of cosine | linear | constant``."""
+    from typing import Annotated, Literal, Union, get_args, get_origin
+
+    from remat.checkpointing.policy import POLICY_STRINGS, CheckpointPolicy
+
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation is CheckpointPolicy:
+        return f"true | false | {' | '.join(POLICY_STRINGS)} | a mapping (see docs/recipes.md)"
+    if origin is Literal:
+        return "one of " + " | ".join(str(a) for a in args)
+    if origin is Annotated:
+        bounds = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+        limits = [f"{sign} {getattr(meta, name)}" for meta in args[1:] for name, sign in bounds.items()
+                  if getattr(meta, name, None) is not None]
+        return " ".join([type_label(args[0]), *limits])
+    if origin in (Union, types.UnionType):
+        kept = [type_label(a) for a in args if a is not type(None)]
+        return " or ".join(kept) + (" or null" if type(None) in args else "")
+    if origin in (list, tuple):
+        return f"list of {type_label(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _show(default: Any) -> str:
+    if default is None or isinstance(default, bool):  # as YAML writes them
+        return {None: "null", True: "true", False: "false"}[default]
+    to_dict = getattr(default, "to_dict", None)
+    if callable(to_dict):  # a CheckpointPolicy: the spelling a recipe would use
+        value = to_dict()
+        return repr(value.get("mode", value) if len(value) == 1 else value)
+    return repr(default)
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
