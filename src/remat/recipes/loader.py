@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from remat.errors import ConfigError, RematError
 from remat.loss.contract import loss_input
 from remat.recipes.config import RecipeConfig, TargetConfig
+from remat.recipes.shipped import find_recipe
 from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
 
@@ -115,12 +116,20 @@ def _deep_copy(data: Any) -> Any:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a recipe file; errors name the file and, for syntax errors, the line."""
-    path = Path(path)
+    """Read a recipe file (a path, or the name of a shipped recipe: `remat.recipes.shipped`); errors name the file
+    and, for syntax errors, the line."""
+    path = find_recipe(path)
     if not path.is_file():
-        raise ConfigError(f"recipe {str(path)!r} not found")
+        raise ConfigError(f"recipe {str(path)!r} is not a file (a directory?); give the path of a YAML recipe")
     try:
-        data = yaml.load(path.read_text(), Loader=RecipeYamlLoader)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"recipe {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start}); a recipe is a YAML file") from None
+    except OSError as err:
+        raise ConfigError(f"recipe {str(path)!r} cannot be read: {err.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=RecipeYamlLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
