@@ -146,10 +146,24 @@ def _all_real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return found
 
 
+def with_cuda_loss_defaults(recipe: RecipeConfig) -> RecipeConfig:
+    """The recipe as its loss runs on a GPU: `FusedLinearCrossEntropy` with ``compile`` unset takes the compiled fast
+    path there (Triton present, as in every CUDA build of torch with its default dependencies), so the simulation,
+    whose fake tensors live on the CPU, asks for that path explicitly. It allocates what the compiled kernel does
+    (`remat.loss.compiled.CompiledChunkMath` never compiles on fake tensors)."""
+    loss = recipe.loss_fn
+    if loss.target != "remat.loss.FusedLinearCrossEntropy" or "compile" in loss.kwargs:
+        return recipe
+    fields = loss.model_dump(by_alias=True)
+    return recipe.model_copy(update={"loss_fn": type(loss).model_validate({**fields, "compile": True})})
+
+
 def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
     """Run one training step of ``recipe`` on fake tensors, through the recipe's own build
     (`remat.recipes.build`) and step (`remat.recipes.step.train_step`), and return its allocation trace."""
     accumulation = check_simulable(recipe, run)
+    if run.target == "cuda":
+        recipe = with_cuda_loss_defaults(recipe)
     trace = StepTrace(recipe, run)
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
