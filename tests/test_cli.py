@@ -87,3 +87,12 @@ def test_log_level_is_taken_before_or_after_the_command() -> None:
     assert parser.parse_known_args(["report", "out", "--log-level", "DEBUG"])[0].log_level == "DEBUG"
     assert parser.parse_known_args(["--log-level", "ERROR", "report", "out"])[0].log_level == "ERROR"
     assert parser.parse_known_args(["report", "out"])[0].log_level == "INFO"
+
+
+def test_a_distributed_strategy_in_one_process_is_said() -> None:
+    from remat.commands.finetune import single_process_note
+
+    note = single_process_note("fsdp2", 1, "fsdp2_quickstart")
+    assert note is not None and "'fsdp2' but this is one process" in note
+    assert "remat finetune fsdp2_quickstart --nproc-per-node N" in note
+    assert single_process_note("fsdp2", 2, "r.yaml") is None and single_process_note("single", 1, "r.yaml") is None

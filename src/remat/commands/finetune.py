@@ -65,14 +65,26 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             check_cuda_devices(int(options.nproc_per_node or "1"))
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
         return launch(options, worker)
-    if ProcessEnv.from_environ().rank != 0:  # only rank 0 reports; the others say only what goes wrong
+    process = ProcessEnv.from_environ()
+    if process.rank != 0:  # only rank 0 reports; the others say only what goes wrong
         logging.getLogger("remat").setLevel(logging.WARNING)
+    note = single_process_note(cfg.distributed.strategy, process.world_size, args.recipe)
+    if note is not None:
+        logging.getLogger(__name__).warning(note)
     recipe = FinetuneRecipe(cfg)
     try:
         result = recipe.run()
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+def single_process_note(strategy: str, world_size: int, recipe: str) -> str | None:
+    """The warning for a ddp / fsdp2 recipe started as one process (allowed: it runs, but shards nothing)."""
+    if strategy == "single" or world_size > 1:
+        return None
+    return (f"distributed.strategy is {strategy!r} but this is one process, so nothing is sharded or replicated; "
+            f"to use several: remat finetune {recipe} --nproc-per-node N (or strategy 'single' to silence this)")
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:
