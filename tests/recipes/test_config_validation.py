@@ -235,3 +235,9 @@ def test_optimizer_hyperparameters_are_checked_when_the_recipe_is_read(key: str,
 def test_good_optimizer_hyperparameters_pass() -> None:
     cfg = validate_recipe(with_("optimizer", {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}))
     assert cfg.optimizer.kwargs["betas"] == [0.9, 0.95]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**70])
+def test_a_seed_outside_what_the_generators_take_is_one_line(seed: int) -> None:
+    with pytest.raises(ConfigError, match=r"seed: Input should be"):
+        validate_recipe(with_("seed", seed))

@@ -195,7 +195,7 @@ class PeftConfig(StrictModel):
 class RecipeConfig(StrictModel):
     """A whole fine-tuning recipe. Every section but ``model`` has defaults."""
 
-    seed: int = 1234
+    seed: int = Field(default=1234, ge=0, lt=2**63)  # what torch.manual_seed, random and numpy all accept
     output_dir: str = "outputs/run"
     custom_target_packages: list[str] = Field(default_factory=list)
     model: ModelConfig

@@ -38,6 +38,7 @@ from remat.recipes.build import build_optimizer, build_recipe_model, build_train
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
+from remat.recipes.output_paths import OutputPaths
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.step import autocast, step_label_tokens, train_step
@@ -81,6 +82,9 @@ class FinetuneRecipe:
         self._stop_reason: str | None = None
         self._stop_signal: int | None = None
         _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
+        # Every rank, before the process group and anything else: a path that cannot be written is one line.
+        OutputPaths.of(cfg.output_dir, cfg.checkpoint.checkpoint_dir, cfg.checkpoint.enabled,
+                       cfg.logging.metrics_file).prepare()
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
