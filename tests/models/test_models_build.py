@@ -185,3 +185,13 @@ def test_pretrained_directory_with_a_broken_config_is_a_config_error(tmp_path: P
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"^model\.pretrained_model_name_or_path: cannot read a transformers config"):
         resolve_model_config(ModelConfig(pretrained_model_name_or_path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_a_damaged_weights_file_is_one_line(saved_tiny: tuple[Path, torch.nn.Module], damage: str) -> None:
+    path, _ = saved_tiny
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 16 + data[16:])
+    with pytest.raises(ConfigError, match=r"^model.pretrained_model_name_or_path: cannot load a causal LM from '.*tiny'"):
+        build_model(ModelConfig(pretrained_model_name_or_path=str(path)))

@@ -81,6 +81,8 @@ def test_text_keys_keep_the_value_as_written(recipe: Path) -> None:
     assert cfg.output_dir == "20240101"
     assert cfg.checkpoint.checkpoint_dir == "007"  # not the number 7
     assert cfg.step_scheduler.max_steps == 12  # numeric keys are still read as YAML
+    cfg = load_recipe(recipe, ["--model.preset", "null", "--model.pretrained_model_name_or_path", str(recipe.parent)])
+    assert cfg.model.preset is None  # null unsets a text key
 
 
 def test_a_number_in_a_text_key_of_the_file_says_to_quote_it(tmp_path: Path) -> None:

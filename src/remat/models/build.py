@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.generation import GenerationConfig
@@ -223,7 +224,7 @@ def _load_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
             **kwargs,
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a truncated or corrupt weights file
         raise _load_error(path, local, "load a causal LM", err) from err
     return model.to(device)
 

@@ -56,10 +56,14 @@ RUNNER_ONLY_KEYS: dict[str, str] = {
 }
 
 
+#: How YAML writes "no value": an override of a text key with one of these unsets it.
+YAML_NULLS: frozenset[str] = frozenset({"null", "Null", "NULL", "~"})
+
+
 def parse_overrides(args: Sequence[str], schema: type[BaseModel] | None = None) -> list[tuple[str, Any]]:
     """Turn ``["--a.b", "1", "--c=x"]`` into ``[("a.b", 1), ("c", "x")]``. Values are read as YAML, except that a key
     whose field in ``schema`` holds text only (``output_dir``, a path, a name) keeps the text as written:
-    ``--output_dir 20240101`` is the directory "20240101", not a number."""
+    ``--output_dir 20240101`` is the directory "20240101", not a number (``null`` still unsets it)."""
     pairs: list[tuple[str, Any]] = []
     i = 0
     while i < len(args):
@@ -77,7 +81,7 @@ def parse_overrides(args: Sequence[str], schema: type[BaseModel] | None = None) 
             i += 2
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {arg!r}: malformed key {key!r}")
-        as_text = schema is not None and _is_text_field(schema, key.split("."))
+        as_text = schema is not None and _is_text_field(schema, key.split(".")) and raw.strip() not in YAML_NULLS
         pairs.append((key, raw if as_text else _parse_value(raw)))
     return pairs
 
