@@ -172,6 +172,16 @@ class CheckpointConfig(StrictModel):
     save_final: bool = True
 
 
+class WandbConfig(StrictModel):
+    """``logging.wandb``: also log to Weights & Biases (needs ``pip install 'remat[wandb]'``; never required)."""
+
+    project: str = "remat"
+    entity: str | None = None
+    name: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
 class LoggingConfig(StrictModel):
     """``logging``: the per-step log line, the metrics file and how memory is measured."""
 
@@ -180,6 +190,7 @@ class LoggingConfig(StrictModel):
     memory: Literal["auto", "cuda", "tracked", "rss"] = "auto"
     metrics_file: str | None = "metrics.jsonl"
     tensorboard: bool = False
+    wandb: WandbConfig | None = None
 
 
 class PeftConfig(StrictModel):

@@ -150,7 +150,7 @@ class FinetuneRecipe:
         max_steps = cfg.step_scheduler.max_steps
         result = RunResult(start_step=self.step, final_step=self.step)
         reporter = RunReporter(cfg.logging, self.output_dir, total_steps=max_steps, start_step=self.step,
-                               enabled=self.dist.is_main_process)
+                               enabled=self.dist.is_main_process, recipe=cfg.model_dump(mode="json", by_alias=True))
         with reporter, _stop_on_signals(self._on_signal):
             self._report_setup(reporter)
             if self.step >= max_steps:
