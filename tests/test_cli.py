@@ -96,3 +96,29 @@ def test_a_distributed_strategy_in_one_process_is_said() -> None:
     assert note is not None and "'fsdp2' but this is one process" in note
     assert "remat finetune fsdp2_quickstart --nproc-per-node N" in note
     assert single_process_note("fsdp2", 2, "r.yaml") is None and single_process_note("single", 1, "r.yaml") is None
+
+
+def test_a_full_disk_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    from remat.commands import report
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/.tmp-step_4-1/optimizer.pt")
+
+    monkeypatch.setattr(report, "run", full)
+    assert main(["report", "somewhere"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: No space left on device (/ckpt/.tmp-step_4-1/optimizer.pt): the run stopped")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.commands import report
+
+    def bug(*args: object) -> int:
+        raise FileNotFoundError(2, "No such file or directory", "x")
+
+    monkeypatch.setattr(report, "run", bug)
+    with pytest.raises(FileNotFoundError):
+        main(["report", "somewhere"])
