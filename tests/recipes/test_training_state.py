@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -294,11 +295,14 @@ def test_loading_into_a_different_kind_of_model_or_optimizer_is_refused(tmp_path
                        .model.layers[0].mlp.down_proj.weight)  # nothing was half-copied
 
 
-def test_checkpoint_files_are_listed_with_their_sizes(tmp_path: Path) -> None:
+def test_checkpoint_files_are_listed_with_their_sizes_and_hashes(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, 1, model=_model(0), train_state={})
     marker = json.loads((path / COMPLETE_MARKER).read_text())
-    assert marker["step"] == 1 and marker["peft"] is False and marker["format"] == 1
-    assert marker["files"]["model/model.safetensors"] == os.path.getsize(path / "model" / "model.safetensors")
+    assert marker["step"] == 1 and marker["peft"] is False and marker["format"] == 2
+    weights = path / "model" / "model.safetensors"
+    assert marker["files"]["model/model.safetensors"] == {
+        "size": os.path.getsize(weights), "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    assert COMPLETE_MARKER not in marker["files"] and "train_state.json" in marker["files"]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing torch._dynamo warns about torch.jit

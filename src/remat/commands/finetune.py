@@ -38,6 +38,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("recipe", help="path of the YAML recipe (see examples/ and docs/recipes.md)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the validated recipe with every default filled in, then exit")
+    parser.add_argument("--restart", action="store_true",
+                        help="start over at step 0: move the checkpoints already in checkpoint_dir into "
+                             "checkpoint_dir/.superseded-<time>/ (nothing is deleted); same as "
+                             "--checkpoint.resume restart. For one invocation: a requeued job must not repeat it")
     add_launch_arguments(parser)
 
 
@@ -49,6 +53,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
     from remat.recipes.loader import load_recipe
 
+    overrides = restart_overrides(overrides) if args.restart else list(overrides)
     cfg = load_recipe(args.recipe, overrides)
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
@@ -70,6 +75,18 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+def restart_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` with ``checkpoint.resume`` set to ``restart`` (what ``--restart`` means); ConfigError when they
+    already set ``checkpoint.resume`` to something else."""
+    from remat.errors import ConfigError
+    from remat.recipes.loader import parse_overrides
+
+    given = [value for key, value in parse_overrides(overrides) if key == "checkpoint.resume"]
+    if given and given[-1] != "restart":
+        raise ConfigError(f"--restart: conflicts with --checkpoint.resume {given[-1]}; give one of them")
+    return [*overrides, "--checkpoint.resume", "restart"]
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:
