@@ -175,8 +175,13 @@ def _move_aside(root: Path) -> Path | None:
         except FileExistsError:
             suffix += 1
             target = root / f"{SUPERSEDED_PREFIX}{stamp}-{suffix}"
-    for entry in entries:
-        os.replace(entry, target / entry.name)
+    try:
+        for entry in entries:
+            os.replace(entry, target / entry.name)
+    except OSError:
+        if not any(target.iterdir()):
+            target.rmdir()
+        raise
     return target
 
 
