@@ -83,3 +83,31 @@ def test_log_level_is_taken_before_or_after_the_command() -> None:
     assert parser.parse_known_args(["report", "out", "--log-level", "DEBUG"])[0].log_level == "DEBUG"
     assert parser.parse_known_args(["--log-level", "ERROR", "report", "out"])[0].log_level == "ERROR"
     assert parser.parse_known_args(["report", "out"])[0].log_level == "INFO"
+
+
+def test_restart_flag_sets_checkpoint_resume_restart(capsys: pytest.CaptureFixture[str]) -> None:
+    quickstart = str(ROOT / "examples" / "quickstart.yaml")
+    assert main(["finetune", quickstart, "--restart", "--print-config"]) == 0
+    assert "resume: restart" in capsys.readouterr().out
+    assert main(["finetune", quickstart, "--restart", "--checkpoint.resume", "never", "--print-config"]) == 2
+    assert "error: --restart: conflicts with --checkpoint.resume never; give one of them" in capsys.readouterr().err
+
+
+def test_restart_under_the_launcher_moves_checkpoints_once_and_workers_resume_auto(tmp_path: Path) -> None:
+    from remat.commands.finetune import restart_before_launch
+    from remat.recipes.loader import load_recipe
+
+    cfg = load_recipe(ROOT / "examples" / "quickstart.yaml",
+                      ["--output_dir", str(tmp_path), "--checkpoint.resume", "restart"])
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step_3").mkdir(parents=True)
+    (checkpoints / "step_3" / "COMPLETE.json").write_text("{}")
+    (checkpoints / "latest").write_text("step_3\n")
+    overrides = restart_before_launch(cfg, None, ["--checkpoint.resume", "restart"])
+    assert overrides == ["--checkpoint.resume", "restart", "--checkpoint.resume", "auto"]
+    (aside,) = [p for p in checkpoints.iterdir()]
+    assert aside.name.startswith(".superseded-")
+    assert sorted(p.name for p in aside.iterdir()) == ["latest", "step_3"]
+    assert (aside / "latest").read_text() == "step_3\n"
+    restart_before_launch(cfg, 1, [])  # another node's launcher moves nothing
+    assert [p.name for p in checkpoints.iterdir()] == [aside.name]

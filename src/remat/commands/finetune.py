@@ -65,6 +65,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             check_parallel_layout(cfg, world_size)
         if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
             check_cuda_devices(int(options.nproc_per_node or "1"))
+        if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
+            overrides = restart_before_launch(cfg, options.node_rank, overrides)
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
         return launch(options, worker)
     if ProcessEnv.from_environ().rank != 0:  # only rank 0 reports; the others say only what goes wrong
@@ -87,6 +89,18 @@ def restart_overrides(overrides: list[str]) -> list[str]:
     if given and given[-1] != "restart":
         raise ConfigError(f"--restart: conflicts with --checkpoint.resume {given[-1]}; give one of them")
     return [*overrides, "--checkpoint.resume", "restart"]
+
+
+def restart_before_launch(cfg: Any, node_rank: int | None, overrides: list[str]) -> list[str]:
+    """Move the checkpoints aside once, here in the launcher (node 0), and let the workers resume ``auto``: workers
+    that torchrun restarts after a failure (``--max-restarts``) then continue from the new checkpoints instead of
+    moving them aside again."""
+    from remat.recipes.finetune import checkpoint_directory
+    from remat.recipes.training_state.verify import supersede_checkpoints
+
+    if not node_rank:
+        supersede_checkpoints(checkpoint_directory(cfg))
+    return [*overrides, "--checkpoint.resume", "auto"]
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:

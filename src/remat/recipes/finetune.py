@@ -85,7 +85,7 @@ class FinetuneRecipe:
         _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
-        self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
+        self.checkpoint_dir = checkpoint_directory(cfg)
 
     # ------------------------------------------------------------------------------------------------ building
 
@@ -297,6 +297,11 @@ class FinetuneRecipe:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+
+
+def checkpoint_directory(cfg: RecipeConfig) -> Path:
+    """Where the recipe's checkpoints go: ``checkpoint.checkpoint_dir``, by default ``output_dir/checkpoints``."""
+    return Path(cfg.checkpoint.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
 
 
 def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:

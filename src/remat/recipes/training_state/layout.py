@@ -260,7 +260,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def prune(root: Path, keep_last: int, *, keep: Path) -> None:
-    """Delete complete checkpoints beyond `keep_last` (newest steps kept; `keep` always kept and counted)."""
+    """Delete complete checkpoints beyond `keep_last` (newest steps kept; `keep` always kept and counted).
+
+    `keep` is the checkpoint just written, hashed as it was written, so it is the newest one that verifies; when it
+    is not complete (its marker or a file missing) nothing is deleted."""
+    if not is_complete_checkpoint(keep):
+        logger.warning("not pruning %s: %s is not a complete checkpoint", root, keep)
+        return
     others = [p for p in list_checkpoints(root) if p != keep]
     for old in others[: max(0, len(others) - (keep_last - 1))]:
         trash = old.with_name(f"{_TRASH_PREFIX}{old.name}-{os.getpid()}")
