@@ -104,7 +104,7 @@ def load_newest_verified(root: Path, load: Callable[[Path], T]) -> tuple[Path, T
     the way to start over, when checkpoints exist and none verifies and loads."""
     candidates, pointer_problem = _from_rank_0(resume_candidates(root) if _rank() == 0 else None)
     if pointer_problem is not None:
-        logger.warning("%s; trying the newest checkpoint that verifies", pointer_problem)
+        _say("%s; trying the newest checkpoint that verifies", pointer_problem)
     skipped: list[str] = []
     for path in candidates:
         reason = agreed_verification(path)
@@ -112,7 +112,7 @@ def load_newest_verified(root: Path, load: Callable[[Path], T]) -> tuple[Path, T
             loaded, reason = _agreed_load(path, load)
             if reason is None:
                 return path, loaded  # type: ignore[return-value]
-        logger.warning("skipping checkpoint %s: %s; trying the next newest", path, reason)
+        _say("skipping checkpoint %s: %s; trying the next newest", path, reason)
         skipped.append(f"{path.name} ({reason})")
     if not skipped and pointer_problem is None:
         return None
@@ -152,8 +152,7 @@ def supersede_checkpoints(root: Path) -> Path | None:
     if error is not None:
         raise ConfigError(error)
     if moved is not None:
-        logger.warning("checkpoint.resume: restart: moved the earlier checkpoints of %s into %s; starting at step 0",
-                       root, moved)
+        _say("checkpoint.resume: restart: moved the earlier checkpoints of %s into %s; starting at step 0", root, moved)
     return moved
 
 
@@ -206,6 +205,12 @@ def _agreed_load(path: Path, load: Callable[[Path], T]) -> tuple[T | None, str |
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
+
+
+def _say(message: str, *args: Any) -> None:
+    """A warning logged once, by rank 0 (every rank takes the same decision)."""
+    if _rank() == 0:
+        logger.warning(message, *args)
 
 
 def _rank() -> int:
