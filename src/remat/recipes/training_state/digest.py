@@ -1,13 +1,14 @@
 """Content hashes of checkpoint files, streamed (never a whole file in memory) and spread over a few threads.
 
 SHA-256 through ``hashlib`` with a 1 MiB read buffer. Measured on this project's 2-core build CPU (x86_64 with
-SHA-NI), page-cached files: sha256 1.63 GB/s (1 MiB buffers; 1.65 at 4 MiB), blake2b 0.8-1.1 GB/s, sha1 1.7 GB/s
-when the cores were free; with a load average of ~9.5 from other processes `benchmarks/bench_checkpoint_hash.py`
-measured 0.39-0.49 GB/s for sha256 and 0.36-0.39 for blake2b (benchmarks/results/checkpoint_hash.md). So sha256, a
-standard digest anyone can check with ``sha256sum``, costs no more than the alternatives. ``hashlib`` releases the GIL while it hashes, so files are hashed in parallel threads (one per file, up
-to `MAX_THREADS`). The files are hashed right after they are written, while they are still in the page cache: the
-writers are torch.save, safetensors and torch.distributed.checkpoint, so hashing inside them would save only that
-cached re-read, not the hashing itself.
+SHA-NI), page-cached files, when the cores were free: sha256 1627 MiB/s (1 MiB buffers; 1648 at 4 MiB), blake2b
+812-1102 MiB/s, sha1 1757 MiB/s; with a load average of ~9.5 from other processes,
+`benchmarks/bench_checkpoint_hash.py` measured sha256 394-491 MiB/s and blake2b 359-385 MiB/s
+(benchmarks/results/checkpoint_hash.md). So sha256, a standard digest anyone can check with ``sha256sum``, costs no
+more than the alternatives. ``hashlib`` releases the GIL while it hashes, so files are hashed in parallel threads
+(one per file, up to `MAX_THREADS`). The files are hashed right after they are written, while they are still in the
+page cache: the writers are torch.save, safetensors and torch.distributed.checkpoint, so hashing inside them would
+save only that cached re-read, not the hashing itself.
 """
 
 from __future__ import annotations
