@@ -100,14 +100,20 @@ def test_a_same_size_corruption_falls_back_to_the_previous_checkpoint(
     checkpoints = _checkpoints(copy_of_run)
     rel, offset = CORRUPTIONS[kind]
     _flip(checkpoints / "step_4" / rel, offset)
+    recorded = json.loads((checkpoints / "step_4" / COMPLETE_MARKER).read_text())["files"][rel]["sha256"]
+    actual = hashlib.sha256((checkpoints / "step_4" / rel).read_bytes()).hexdigest()
+    broken_files = _snapshot(checkpoints / "step_4")
     with caplog.at_level(logging.WARNING):
         job = _resume(copy_of_run)
     _assert_holds_step_2(job, checkpoints)
     skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
     assert skipped == [f"skipping checkpoint {checkpoints / 'step_4'}: {rel}: content differs from {COMPLETE_MARKER} "
-                       f"(sha256 {skipped[0].split('sha256 ')[1][:12]}... vs "
-                       f"{json.loads((checkpoints / 'step_4' / COMPLETE_MARKER).read_text())['files'][rel]['sha256'][:12]}"
-                       "...); trying the next newest"]
+                       f"(sha256 {actual[:12]}... vs {recorded[:12]}...); trying the next newest"]
+    # The skipped checkpoint is kept, byte for byte, where the resumed run's own step_4 cannot replace it.
+    (aside,) = [p for p in checkpoints.iterdir() if p.name.startswith(".broken-")]
+    assert _snapshot(aside / "step_4") == broken_files and not (checkpoints / "step_4").exists()
+    assert (checkpoints / "latest").read_text() == "step_2\n"
+    assert f"kept the skipped checkpoints step_4, unchanged, in {aside}; latest now names step_2" in caplog.text
 
 
 def test_a_hand_edited_train_state_is_detected(copy_of_run: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -7,7 +7,9 @@ checkpoint that verifies is loaded into the model, optimizer, scheduler and RNGs
 rank: the ranks exchange their outcome) moves every rank on to the next one, whose load overwrites all of that
 state again. Each skipped checkpoint is logged once with its reason. A `ConfigError` from a load (the recipe does not
 fit the checkpoint: peft or not, shapes, strategy) is not a broken checkpoint: it stops at once, since every older
-one would fail the same way. Nothing here deletes or rewrites a checkpoint.
+one would fail the same way. Nothing here deletes or rewrites a checkpoint: once a fallback has loaded, the skipped
+ones are moved, intact, into ``<root>/.broken-<UTC time>/`` and ``latest`` is pointed at the one loaded, so that the
+resumed run's saves of the same step numbers never replace them and pruning never counts them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from remat.recipes.training_state.digest import HASH_ALGORITHM, digests
 from remat.recipes.training_state.layout import (
     COMPLETE_MARKER,
     LATEST_FILE,
+    atomic_write_text,
     incomplete_reason,
     is_step_name,
     marker_records,
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SUPERSEDED_PREFIX = ".superseded-"
+BROKEN_PREFIX = ".broken-"
 #: What ``checkpoint.resume: restart`` moves aside: step directories, the pointer and leftovers of interrupted saves.
 _MOVED_PREFIXES = (".tmp-step_", f".{LATEST_FILE}.tmp-")
 _MAX_REASON_CHARS = 240
@@ -106,11 +110,13 @@ def load_newest_verified(root: Path, load: Callable[[Path], T]) -> tuple[Path, T
     if pointer_problem is not None:
         _say("%s; trying the newest checkpoint that verifies", pointer_problem)
     skipped: list[str] = []
-    for path in candidates:
+    for index, path in enumerate(candidates):
         reason = agreed_verification(path)
         if reason is None:
             loaded, reason = _agreed_load(path, load)
             if reason is None:
+                if skipped:
+                    _keep_skipped_aside(root, candidates[:index], path)
                 return path, loaded  # type: ignore[return-value]
         _say("skipping checkpoint %s: %s; trying the next newest", path, reason)
         skipped.append(f"{path.name} ({reason})")
@@ -156,16 +162,34 @@ def supersede_checkpoints(root: Path) -> Path | None:
     return moved
 
 
-def _move_aside(root: Path) -> Path | None:
+def _keep_skipped_aside(root: Path, skipped: list[Path], loaded: Path) -> None:
+    """On rank 0, move the checkpoints skipped before `loaded` into ``root/.broken-<time>/`` and point ``latest`` at
+    `loaded`; a failure to move is said and leaves them in place (the resume itself has succeeded)."""
+    if _rank() != 0:
+        return
+    try:
+        moved = _move_aside(root, skipped, BROKEN_PREFIX)
+        atomic_write_text(root / LATEST_FILE, loaded.name + "\n")
+    except OSError as err:
+        logger.warning("could not move the skipped checkpoints of %s aside (%s); they stay in place, and saves of "
+                       "the same step numbers will replace them", root, _one_line(err))
+        return
+    logger.warning("kept the skipped checkpoints %s, unchanged, in %s; %s now names %s",
+                   ", ".join(p.name for p in skipped), moved, LATEST_FILE, loaded.name)
+
+
+def _move_aside(root: Path, entries: list[Path] | None = None, prefix: str = SUPERSEDED_PREFIX) -> Path | None:
+    """Move `entries` (by default every checkpoint entry of `root`) into a new ``root/<prefix><UTC time>/``."""
     if not root.is_dir():
         return None
-    entries = sorted(p for p in root.iterdir()
-                     if (is_step_name(p.name) and p.is_dir()) or p.name == LATEST_FILE
-                     or p.name.startswith(_MOVED_PREFIXES))
+    if entries is None:
+        entries = sorted(p for p in root.iterdir()
+                         if (is_step_name(p.name) and p.is_dir()) or p.name == LATEST_FILE
+                         or p.name.startswith(_MOVED_PREFIXES))
     if not entries:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target = root / f"{SUPERSEDED_PREFIX}{stamp}"
+    target = root / f"{prefix}{stamp}"
     suffix = 1
     while True:
         try:
@@ -173,7 +197,7 @@ def _move_aside(root: Path) -> Path | None:
             break
         except FileExistsError:
             suffix += 1
-            target = root / f"{SUPERSEDED_PREFIX}{stamp}-{suffix}"
+            target = root / f"{prefix}{stamp}-{suffix}"
     try:
         for entry in entries:
             os.replace(entry, target / entry.name)
