@@ -122,3 +122,31 @@ def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(report, "run", bug)
     with pytest.raises(FileNotFoundError):
         main(["report", "somewhere"])
+
+
+def test_restart_flag_sets_checkpoint_resume_restart(capsys: pytest.CaptureFixture[str]) -> None:
+    quickstart = str(ROOT / "examples" / "quickstart.yaml")
+    assert main(["finetune", quickstart, "--restart", "--print-config"]) == 0
+    assert "resume: restart" in capsys.readouterr().out
+    assert main(["finetune", quickstart, "--restart", "--checkpoint.resume", "never", "--print-config"]) == 2
+    assert "error: --restart: conflicts with --checkpoint.resume never; give one of them" in capsys.readouterr().err
+
+
+def test_restart_under_the_launcher_moves_checkpoints_once_and_workers_resume_auto(tmp_path: Path) -> None:
+    from remat.commands.finetune import restart_before_launch
+    from remat.recipes.loader import load_recipe
+
+    cfg = load_recipe(ROOT / "examples" / "quickstart.yaml",
+                      ["--output_dir", str(tmp_path), "--checkpoint.resume", "restart"])
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step_3").mkdir(parents=True)
+    (checkpoints / "step_3" / "COMPLETE.json").write_text("{}")
+    (checkpoints / "latest").write_text("step_3\n")
+    overrides = restart_before_launch(cfg, None, ["--checkpoint.resume", "restart"])
+    assert overrides == ["--checkpoint.resume", "restart", "--checkpoint.resume", "auto"]
+    (aside,) = [p for p in checkpoints.iterdir()]
+    assert aside.name.startswith(".superseded-")
+    assert sorted(p.name for p in aside.iterdir()) == ["latest", "step_3"]
+    assert (aside / "latest").read_text() == "step_3\n"
+    restart_before_launch(cfg, 1, [])  # another node's launcher moves nothing
+    assert [p.name for p in checkpoints.iterdir()] == [aside.name]

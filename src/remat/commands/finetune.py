@@ -39,6 +39,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("recipe", help="path of the YAML recipe (see examples/ and docs/recipes.md)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the validated recipe with every default filled in, then exit")
+    parser.add_argument("--restart", action="store_true",
+                        help="start over at step 0: move the checkpoints already in checkpoint_dir into "
+                             "checkpoint_dir/.superseded-<time>/ (nothing is deleted); same as "
+                             "--checkpoint.resume restart. For one invocation: a requeued job must not repeat it")
     add_launch_arguments(parser)
 
 
@@ -47,6 +51,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from remat.recipes.loader import load_recipe
 
+    overrides = restart_overrides(overrides) if args.restart else list(overrides)
     cfg = load_recipe(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             check_parallel_layout(cfg, world_size)
         if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
             check_cuda_devices(int(options.nproc_per_node or "1"))
+        if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
+            overrides = restart_before_launch(cfg, options.node_rank, overrides)
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
         return launch(options, worker)
     process = ProcessEnv.from_environ()
@@ -85,6 +92,30 @@ def single_process_note(strategy: str, world_size: int, recipe: str) -> str | No
         return None
     return (f"distributed.strategy is {strategy!r} but this is one process, so nothing is sharded or replicated; "
             f"to use several: remat finetune {recipe} --nproc-per-node N (or strategy 'single' to silence this)")
+
+
+def restart_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` with ``checkpoint.resume`` set to ``restart`` (what ``--restart`` means); ConfigError when they
+    already set ``checkpoint.resume`` to something else."""
+    from remat.errors import ConfigError
+    from remat.recipes.loader import parse_overrides
+
+    given = [value for key, value in parse_overrides(overrides) if key == "checkpoint.resume"]
+    if given and given[-1] != "restart":
+        raise ConfigError(f"--restart: conflicts with --checkpoint.resume {given[-1]}; give one of them")
+    return [*overrides, "--checkpoint.resume", "restart"]
+
+
+def restart_before_launch(cfg: Any, node_rank: int | None, overrides: list[str]) -> list[str]:
+    """Move the checkpoints aside once, here in the launcher (node 0), and let the workers resume ``auto``: workers
+    that torchrun restarts after a failure (``--max-restarts``) then continue from the new checkpoints instead of
+    moving them aside again."""
+    from remat.recipes.finetune import checkpoint_directory
+    from remat.recipes.training_state.verify import supersede_checkpoints
+
+    if not node_rank:
+        supersede_checkpoints(checkpoint_directory(cfg))
+    return [*overrides, "--checkpoint.resume", "auto"]
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -161,8 +161,11 @@ class DistributedConfig(StrictModel):
 class CheckpointConfig(StrictModel):
     """``checkpoint``: where and how training state is saved, and whether a run resumes.
 
-    ``resume``: ``auto`` continues from the latest complete checkpoint in ``checkpoint_dir`` if there is one,
-    ``never`` starts fresh (refusing to overwrite existing checkpoints), or a path to a ``step_N`` directory.
+    ``resume``: ``auto`` continues from the newest checkpoint in ``checkpoint_dir`` that verifies (content hashes)
+    and loads, falling back past broken ones and stopping with one error when checkpoints exist but none does;
+    ``never`` starts fresh (refusing to overwrite existing checkpoints); ``restart`` moves existing checkpoints into
+    ``checkpoint_dir/.superseded-<time>/`` and starts fresh (``remat finetune --restart``); or a path to a ``step_N``
+    directory (verified; no fallback).
     """
 
     enabled: bool = True

@@ -42,7 +42,9 @@ from remat.recipes.output_paths import OutputPaths
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.step import autocast, step_label_tokens, train_step
-from remat.recipes.training_state import find_latest_checkpoint, state_store, store_for_saved
+from remat.recipes.training_state import state_store, store_for_saved
+from remat.recipes.training_state.layout import step_directories
+from remat.recipes.training_state.verify import load_newest_verified, load_verified, supersede_checkpoints
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
 
@@ -87,7 +89,7 @@ class FinetuneRecipe:
                        cfg.logging.metrics_file).prepare()
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
-        self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
+        self.checkpoint_dir = checkpoint_directory(cfg)
 
     # ------------------------------------------------------------------------------------------------ building
 
@@ -117,28 +119,39 @@ class FinetuneRecipe:
         self.resumed_from = self._maybe_resume()
 
     def _maybe_resume(self) -> Path | None:
+        """Choose, verify and load the checkpoint to continue from (`remat.recipes.training_state.verify`): with
+        ``auto`` the newest that verifies and loads, each one skipped said; None when starting at step 0."""
         ckpt = self.cfg.checkpoint
         if not ckpt.enabled:
             return None
-        latest = find_latest_checkpoint(self.checkpoint_dir)
+        if ckpt.resume == "restart":
+            supersede_checkpoints(self.checkpoint_dir)
+            return None
         if ckpt.resume == "never":
-            if latest is not None:
+            existing = step_directories(self.checkpoint_dir)
+            if existing:
                 raise ConfigError(
-                    f"checkpoint.resume: 'never' but {self.checkpoint_dir} already holds checkpoints (latest: "
-                    f"{latest.name}); refusing to overwrite them. Use checkpoint.resume: auto to continue, or another "
-                    "checkpoint.checkpoint_dir / output_dir to start over"
+                    f"checkpoint.resume: 'never' but {self.checkpoint_dir} already holds checkpoints (newest: "
+                    f"{existing[-1].name}); refusing to overwrite them. Use checkpoint.resume: auto to continue, "
+                    "restart (--restart) to move them aside and start over, or another checkpoint.checkpoint_dir / "
+                    "output_dir"
                 )
             return None
-        path = latest if ckpt.resume == "auto" else Path(ckpt.resume)
-        if path is None:
-            return None
+        if ckpt.resume == "auto":
+            chosen = load_newest_verified(self.checkpoint_dir, self._restore)
+            return chosen[0] if chosen is not None else None
+        path = Path(ckpt.resume)
         if not path.is_dir():
             raise ConfigError(f"checkpoint.resume: {ckpt.resume!r} is not a checkpoint directory; "
-                              "allowed: auto, never, or the path of a step_N checkpoint")
+                              "allowed: auto, never, restart, or the path of a step_N checkpoint")
+        load_verified(path, self._restore)
+        return path
+
+    def _restore(self, path: Path) -> None:
+        """Load the verified checkpoint at ``path`` into the run (model, optimizer, schedule, RNGs, data position)."""
         state = self._load(path)
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
-        return path
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -265,7 +278,7 @@ class FinetuneRecipe:
 
     def _load(self, path: Path) -> dict[str, Any]:
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
-        return store_for_saved(path, self.dist).load(path, **states)
+        return store_for_saved(path, self.dist).load(path, **states, verify=False)  # verified by the caller
 
     def _report_setup(self, reporter: RunReporter) -> None:
         total, trainable = count_parameters(self.model), sum(
@@ -288,6 +301,11 @@ class FinetuneRecipe:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+
+
+def checkpoint_directory(cfg: RecipeConfig) -> Path:
+    """Where the recipe's checkpoints go: ``checkpoint.checkpoint_dir``, by default ``output_dir/checkpoints``."""
+    return Path(cfg.checkpoint.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
 
 
 def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:
