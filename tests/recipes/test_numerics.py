@@ -135,6 +135,9 @@ def test_non_finite_tensors_names_parameters_and_optimizer_state() -> None:
     optimizer.step()
     assert non_finite_tensors(model, optimizer, SINGLE) == []
     with torch.no_grad():
+        model[0].bias.fill_(1e30)  # finite, but its 2-norm overflows float32
+    assert non_finite_tensors(model, optimizer, SINGLE) == []
+    with torch.no_grad():
         model[1].bias[0] = INF
     optimizer.state[model[0].weight]["exp_avg_sq"][0, 0] = NAN
     assert non_finite_tensors(model, optimizer) == ["1.bias", "optimizer state exp_avg_sq of 0.weight"]

@@ -111,7 +111,7 @@ class NonFiniteGuard:
 def non_finite_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                        setup: DistributedSetup | None = None) -> list[str]:
     """The names of ``model``'s parameters and buffers and of ``optimizer``'s state tensors that hold a NaN or an
-    infinite value; empty when all are finite. One host read (a max-abs norm per tensor, taken together). Sharded
+    infinite value; empty when all are finite. One host read (the norms of all tensors, taken together). Sharded
     (DTensor) tensors are checked on this rank's shard; with ``setup`` the answer is agreed by all ranks (a collective:
     call it on every rank), naming "a tensor on another rank" where only another rank's shard is bad."""
     named = dict(_named_tensors(model, optimizer))
@@ -119,9 +119,12 @@ def non_finite_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
     tensors = [named[name] for name in names]
     bad: list[str] = []
     if tensors:
-        maxima = torch._foreach_norm(tensors, float("inf"))
-        finite = torch.stack([m.float().to(maxima[0].device) for m in maxima]).isfinite().tolist()
-        bad = [name for name, ok in zip(names, finite, strict=True) if not ok]
+        # The 2-norm is torch's fast multi-tensor kernel (the max-abs one is ~30x slower on the CPU); NaN and inf
+        # propagate into it. A finite tensor whose norm overflows (values beyond ~1e19) is told apart exactly.
+        norms = torch._foreach_norm(tensors, 2)
+        finite = torch.stack([n.float().to(norms[0].device) for n in norms]).isfinite().tolist()
+        bad = [name for name, tensor, ok in zip(names, tensors, finite, strict=True)
+               if not ok and not bool(torch.isfinite(tensor).all())]
     if setup is not None and setup.any_rank(bool(bad)) and not bad:
         bad = ["a tensor on another rank"]
     return bad
