@@ -136,6 +136,15 @@ class ClipGradNormConfig(StrictModel):
     max_norm: PositiveFloat | None = 1.0
 
 
+class TrainingConfig(StrictModel):
+    """``training``: what a step whose loss or gradient norm is NaN or infinite does. Its update is never applied
+    (the check runs before the optimizer step); ``on_nonfinite: stop`` then stops the run (exit 2, nothing saved),
+    ``skip`` goes on with the next batch until more than ``max_nonfinite_steps`` such steps come in a row."""
+
+    on_nonfinite: Literal["skip", "stop"] = "stop"
+    max_nonfinite_steps: PositiveInt = 3
+
+
 class DistributedConfig(StrictModel):
     """``distributed``: the parallelism strategy and activation checkpointing (the seed documents' keys).
 
@@ -221,6 +230,7 @@ class RecipeConfig(StrictModel):
     lr_scheduler: LRSchedulerConfig = Field(default_factory=LRSchedulerConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)
     clip_grad_norm: ClipGradNormConfig = Field(default_factory=ClipGradNormConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -15,7 +15,6 @@ on by all ranks, and checkpoints are sharded (fsdp2, torch.distributed.checkpoin
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import sys
@@ -31,13 +30,14 @@ import torch
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
 from remat.data.loader import collate
 from remat.distributed import ProcessEnv, validate_settings
-from remat.errors import ConfigError, TrainingDivergedError
+from remat.errors import ConfigError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
+from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save
 from remat.recipes.output_paths import OutputPaths
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
@@ -90,6 +90,7 @@ class FinetuneRecipe:
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = checkpoint_directory(cfg)
+        self.nonfinite = NonFiniteGuard.from_config(cfg.training)
 
     # ------------------------------------------------------------------------------------------------ building
 
@@ -175,7 +176,9 @@ class FinetuneRecipe:
                 record = self._train_step()
                 result.records.append(record)
                 reporter.step(record)
-                _refuse_non_finite(record, result.last_checkpoint or self.resumed_from)
+                skipped = self.nonfinite.after_step(record, result.last_checkpoint or self.resumed_from)
+                if skipped is not None:
+                    reporter.info(skipped)
                 for callback in self.callbacks:
                     callback(self, record)
                 sched = cfg.step_scheduler
@@ -239,7 +242,7 @@ class FinetuneRecipe:
         return StepRecord(
             step=self.step, epoch=self.batches.epoch, loss=global_loss, grad_norm=float(outcome.grad_norm),
             lr=outcome.lr, mem_bytes=reading.peak_bytes, mem_source=reading.source, tps=tokens / elapsed,
-            num_label_tokens=label_tokens, step_time_s=elapsed,
+            num_label_tokens=label_tokens, step_time_s=elapsed, skipped=bool(outcome.skipped),
         )
 
     @torch.no_grad()
@@ -272,13 +275,16 @@ class FinetuneRecipe:
             "model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
             "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,
         }
+        refuse_to_save(self.step, self.model, self.optimizer, self.dist, self.checkpoint_dir)
         path = state_store(self.dist).save(self.checkpoint_dir, self.step, **arguments)
         reporter.info(f"saved checkpoint {path}")
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
-        return store_for_saved(path, self.dist).load(path, **states, verify=False)  # verified by the caller
+        state = store_for_saved(path, self.dist).load(path, **states, verify=False)  # verified by the caller
+        refuse_to_resume(path, self.model, self.optimizer, self.dist)
+        return state
 
     def _report_setup(self, reporter: RunReporter) -> None:
         total, trainable = count_parameters(self.model), sum(
@@ -367,22 +373,6 @@ def _seed_everything(seed: int) -> None:
         import numpy as np
 
         np.random.seed(seed % 2**32)
-
-
-def _refuse_non_finite(record: StepRecord, last_good: Path | None) -> None:
-    """Stop the run, saving nothing, when a step's loss or gradient norm is NaN or infinite.
-
-    The optimizer has already applied that step, so the weights in memory may be broken; no checkpoint is written from
-    them (and none is pruned), so the last one saved stays the newest. Every rank sees the same global loss and norm,
-    so all ranks stop together."""
-    if math.isfinite(record.loss) and math.isfinite(record.grad_norm):
-        return
-    where = f"the last good checkpoint is {last_good}" if last_good is not None else "no checkpoint was saved yet"
-    raise TrainingDivergedError(
-        f"step {record.step}: loss {record.loss} and grad_norm {record.grad_norm}: training diverged, so the run "
-        f"stops without saving this state ({where}). Lower optimizer.lr, keep clip_grad_norm.max_norm set, or check "
-        "the data; then resume from that checkpoint"
-    )
 
 
 @contextlib.contextmanager

@@ -37,12 +37,13 @@ class StepRecord:
     tps: float
     num_label_tokens: int
     step_time_s: float
+    skipped: bool = False  # the loss or gradient norm was NaN/inf and the update was not applied
 
     def line(self) -> str:
         return (
             f"step {self.step} | epoch {self.epoch} | loss {self.loss:.4f} | grad_norm {self.grad_norm:.2f} | "
             f"lr {self.lr:.1e} | mem {self.mem_bytes / GIB:.2f} GiB | tps {self.tps:.0f} | "
-            f"num_label_tokens {self.num_label_tokens}"
+            f"num_label_tokens {self.num_label_tokens}" + (" | skipped (not finite)" if self.skipped else "")
         )
 
 
