@@ -245,11 +245,16 @@ def test_a_non_finite_checkpoint_is_not_resumed(tmp_path: Path) -> None:
     job, _ = run(recipe)
     weights = job.checkpoint_dir / "step_2" / "model" / "model.safetensors"
     tensors = load_file(weights)
-    tensors["model.embed_tokens.weight"][3, 1] = INF  # as an older remat could have written it
-    save_file(tensors, weights, metadata={"format": "pt"})
+    tensors["model.embed_tokens.weight"][3, 1] = INF  # as an older remat could have written it: its marker
+    save_file(tensors, weights, metadata={"format": "pt"})  # (format 1) records sizes, not contents
+    marker_file = job.checkpoint_dir / "step_2" / "COMPLETE.json"
+    marker = json.loads(marker_file.read_text())
+    sizes = {rel: (job.checkpoint_dir / "step_2" / rel).stat().st_size for rel in marker["files"]}
+    marker_file.write_text(json.dumps({**marker, "format": 1, "files": sizes}))
     more = tiny_recipe(tmp_path, step_scheduler={"max_steps": 4})
-    with pytest.raises(TrainingDivergedError, match=rf"^checkpoint {job.checkpoint_dir / 'step_2'} holds NaN or "
-                                                    r"infinite values in 1 tensor\(s\) \(model.embed_tokens.weight\): "
-                                                    r"refusing to resume from it"):
+    with pytest.raises(ConfigError, match=rf"no checkpoint in {job.checkpoint_dir} verifies and loads: step_2 "
+                                          r"\(loading failed with TrainingDivergedError: checkpoint .*step_2 holds NaN or "
+                                          r"infinite values in 1 tensor\(s\) \(model.embed_tokens.weight\): "
+                                          r"refusing to resume from it"):
         run(more)
     assert sorted(p.name for p in job.checkpoint_dir.glob("step_*")) == ["step_2"]
