@@ -24,7 +24,7 @@ from types import ModuleType
 from remat import __version__  # noqa: E402
 from remat.errors import RematError  # noqa: E402
 
-COMMANDS: tuple[str, ...] = ("finetune", "estimate", "report")
+COMMANDS: tuple[str, ...] = ("finetune", "estimate", "plan", "report")
 
 
 def _command_modules() -> dict[str, ModuleType]:

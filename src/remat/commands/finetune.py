@@ -11,6 +11,8 @@ from pydantic import BaseModel
 
 NAME = "finetune"
 
+logger = logging.getLogger(__name__)
+
 DESCRIPTION = """\
 Fine-tune a causal LM from a YAML recipe. Any recipe key can be overridden on the command line with its dotted
 name, e.g.:
@@ -47,13 +49,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.distributed.env import ProcessEnv, check_cuda_devices
     from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
-    from remat.recipes.loader import load_recipe
 
-    cfg = load_recipe(args.recipe, overrides)
+    options = LaunchOptions.from_namespace(args)
+    cfg, overrides = _planned_recipe(args.recipe, overrides, options)
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
         return 0
-    options = LaunchOptions.from_namespace(args)
     if check_launch_environment(options):
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
@@ -70,6 +71,23 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+def _planned_recipe(path: str, overrides: list[str], options: Any) -> tuple[Any, list[str]]:
+    """The recipe, with ``distributed.activation_checkpointing: auto`` resolved by the planner into a per-layer
+    policy (planned once, here; worker processes get the chosen policy as an override), and the overrides."""
+    import json
+    import os
+
+    from remat.planner import load_planned_recipe
+
+    world_size = options.num_processes() if options.requested else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg, plan = load_planned_recipe(path, overrides, world_size=world_size)
+    if plan is None:
+        return cfg, overrides
+    logger.info("activation checkpointing 'auto' planned for %.2f GiB:\n%s", plan.budget_bytes / 2**30,
+                plan.table(candidates=False))
+    return cfg, [*overrides, "--distributed.activation_checkpointing", json.dumps(plan.policy.to_dict())]
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -143,10 +143,17 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
 
 def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
     """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate."""
+    return validate_recipe(load_recipe_data(path, overrides))
+
+
+def load_recipe_data(path: str | Path,
+                     overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
+    """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (the planner resolves
+    ``activation_checkpointing: auto`` in it first)."""
     data = read_yaml(path)
     _refuse_runner_only_keys(data, path)
     pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
-    return validate_recipe(apply_overrides(data, pairs))  # type: ignore[arg-type]
+    return apply_overrides(data, pairs)  # type: ignore[arg-type]
 
 
 def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:
