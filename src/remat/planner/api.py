@@ -33,6 +33,7 @@ def plan_activation_checkpointing(
     example_batch: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
     target: str | None = None,
     flops_per_second: float | None = None,
+    all_candidates: bool = False,
     **settings: Any,
 ) -> ActivationPlan:
     """The per-layer checkpointing plan with the least predicted recompute whose predicted step peak fits
@@ -45,20 +46,21 @@ def plan_activation_checkpointing(
     `remat.estimate.StepSettings` fields (``loss="fused"``, ``optimizer=...``, ``strategy="fsdp2"``,
     ``world_size=8``, ``autocast="bfloat16"``). ``memory_budget``: bytes, a size (``"40GiB"``), a fraction of the
     GPU's memory, or None for the GPU's memory minus a margin (a budget is required for the CPU). ``target``:
-    ``"cuda"`` or ``"cpu"`` (default: cuda when a GPU is visible).
+    ``"cuda"`` or ``"cpu"`` (default: cuda when a GPU is visible). ``all_candidates`` prices every uniform policy
+    for ``plan.candidates`` (by default only those that could beat the chosen plan).
     """
     settings.update(_batch_shape(example_batch))
     if isinstance(model_or_recipe, (str, Path)) and Path(model_or_recipe).suffix in (".yaml", ".yml"):
         model_or_recipe = recipe_for_planning(load_recipe_data(model_or_recipe))
     if isinstance(model_or_recipe, RecipeConfig):
         return plan_recipe(model_or_recipe, budget=memory_budget, target=target, flops_per_second=flops_per_second,
-                           **settings)
+                           all_candidates=all_candidates, **settings)
     if isinstance(model_or_recipe, nn.Module):
         settings.setdefault("dtype", _dtype_name(model_or_recipe))
         model_or_recipe = model_or_recipe.config
     step = StepSettings(target=target or default_target("auto"), **settings)  # type: ignore[arg-type]
     budget = parse_budget(memory_budget, device_bytes=device_bytes(step.target), key="memory_budget")
-    return Planner(resolve_model(model_or_recipe), step, flops_per_second).plan(budget)
+    return Planner(resolve_model(model_or_recipe), step, flops_per_second).plan(budget, all_candidates=all_candidates)
 
 
 def load_planned_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = (), *,
@@ -77,11 +79,13 @@ def load_planned_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tu
 
 
 def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | None = None,
-                flops_per_second: float | None = None, **settings: Any) -> ActivationPlan:
+                flops_per_second: float | None = None, all_candidates: bool = False,
+                **settings: Any) -> ActivationPlan:
     """The plan for the step ``cfg`` trains (its policy ignored) under ``budget`` (default: the recipe's
     ``distributed.memory_budget``)."""
-    return planner_for_recipe(cfg, target=target, flops_per_second=flops_per_second, **settings).plan(
-        recipe_budget(cfg, budget, target or default_target(cfg.distributed.device)))
+    target = target or default_target(cfg.distributed.device)
+    planner = planner_for_recipe(cfg, target=target, flops_per_second=flops_per_second, **settings)
+    return planner.plan(recipe_budget(cfg, budget, target), all_candidates=all_candidates)
 
 
 def planner_for_recipe(cfg: RecipeConfig, *, target: str | None = None, flops_per_second: float | None = None,

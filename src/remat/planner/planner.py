@@ -192,7 +192,8 @@ class Planner:
         )
 
     def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate]) -> ConfigError:
-        smallest = min([*candidates, *self.uniform_candidates(budget_bytes)], key=lambda c: c.peak_bytes)
+        smallest = min([*candidates, *self.uniform_candidates(budget_bytes)],
+                       key=lambda c: (c.peak_bytes, c.recompute_flops))
         s = self.settings
         helps = []
         if s.batch_size > 1:
