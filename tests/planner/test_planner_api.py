@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,6 @@ GIB = 2**30
 #: A small Llama that plans in a few seconds: 4 blocks, hidden 64, vocabulary 512.
 SMALL = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --- budgets -------------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ full-checkpointing peak and the no-checkpointing peak:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,14 +42,6 @@ SHARES = (0.2, 0.45, 0.7)  # budgets: full peak + share x (none peak - full peak
 class Planned:
     planner: Planner
     plans: list[ActivationPlan]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
