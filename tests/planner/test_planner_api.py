@@ -194,3 +194,21 @@ def test_remat_plan_answers_several_budgets_as_json_and_png(tmp_path: Path,
         tight["blocks"][0])
     assert "nothing fits" in impossible["error"] and impossible["budget_bytes"] == 2**20
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kv_sharing_blocks_are_measured_as_their_own_kinds_with_their_fallbacks() -> None:
+    """Gemma 3n: the layers that store keys/values for later layers cannot recompute their attention (they would
+    write the shared keys/values twice), so only none and mlp are theirs; the layers that reuse them take every mode.
+    The shared key/value dict is copied for each measurement (each block writes into it)."""
+    from remat.estimate import StepSettings
+    from remat.models import ModelConfig
+    from remat.planner.measure import measure_blocks
+
+    settings = StepSettings(batch_size=1, seq_length=64, target="cpu")
+    m = measure_blocks(settings.to_recipe(ModelConfig(preset="tiny-gemma3n")), settings.run())
+    store, reuse = m.kinds
+    assert (store.indices, reuse.indices) == ((0, 1), (2, 3))
+    assert [c.mode for c in store.costs] == ["none", "mlp"]
+    assert [c.mode for c in reuse.costs] == ["none", "attention", "mlp", "selective", "full"]
+    assert reuse.cost("full").kept_bytes == 0 < reuse.cost("selective").kept_bytes < reuse.cost("none").kept_bytes
+    assert 0 < reuse.cost("attention").recompute_flops < reuse.cost("full").recompute_flops

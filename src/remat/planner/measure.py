@@ -13,10 +13,11 @@ kernel for ``target="cuda"``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,12 +198,26 @@ def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], 
 
 def _fresh_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, tuple[Any, ...],
                                                                            dict[str, Any]]:
-    """The call with its hidden states replaced by a leaf that requires grad (so backward reaches the block)."""
+    """The call with its hidden states replaced by a leaf that requires grad (so backward reaches the block), and
+    mappings among the arguments copied: blocks may write into them (KV-sharing layers store keys and values in a
+    dict that later layers read), and each measurement must start from what the forward passed."""
+    args = tuple(_copied(arg) for arg in args)
+    kwargs = {name: _copied(value) for name, value in kwargs.items()}
     if args and isinstance(args[0], torch.Tensor):
         hidden = args[0].detach().requires_grad_()
         return hidden, (hidden, *args[1:]), kwargs
     hidden = kwargs["hidden_states"].detach().requires_grad_()
     return hidden, args, {**kwargs, "hidden_states": hidden}
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with mappings (dicts, transformers' ``KVSharingDict``) copied, recursively; tensors shared."""
+    if isinstance(value, MutableMapping):
+        out = copy.copy(value)
+        for key in list(value.keys()):
+            out[key] = _copied(value[key])
+        return out
+    return value
 
 
 class _Captured(Exception):
@@ -217,7 +232,7 @@ def _capture_calls(net: nn.Module, blocks: list[Block], batch: dict[str, torch.T
 
     def hook(index: int) -> Any:
         def capture(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            calls[index] = (args, dict(kwargs))
+            calls[index] = (tuple(_copied(arg) for arg in args), {k: _copied(v) for k, v in kwargs.items()})
             if set(calls) >= wanted:
                 raise _Captured
         return capture
