@@ -49,9 +49,9 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        return {"label": self.label, "policy": self.policy.to_dict(), "modes": list(self.modes), "peak_bytes": self.peak_bytes,
-                "peak_gib": round(self.peak_bytes / GIB, 3), "recompute_flops": self.recompute_flops,
-                "fits": self.fits, "uniform": self.uniform}
+        return {"label": self.label, "policy": self.policy.to_dict(), "modes": list(self.modes),
+                "peak_bytes": self.peak_bytes, "peak_gib": round(self.peak_bytes / GIB, 3),
+                "recompute_flops": self.recompute_flops, "fits": self.fits, "uniform": self.uniform}
 
 
 @dataclass(frozen=True)
