@@ -12,6 +12,8 @@ from pydantic import BaseModel
 
 NAME = "finetune"
 
+logger = logging.getLogger(__name__)
+
 DESCRIPTION = """\
 Fine-tune a causal LM from a YAML recipe. Any recipe key can be overridden on the command line with its dotted
 name, e.g.:
@@ -47,21 +49,24 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    import yaml
-
-    from remat.recipes.loader import load_recipe
+    from remat.recipes.loader import asks_for_auto, load_recipe_data, validate_recipe
 
     overrides = restart_overrides(overrides) if args.restart else list(overrides)
-    cfg = load_recipe(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
-    if args.print_config:
-        print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
-        return 0
+    data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
+    planned = asks_for_auto(data)
+    cfg = None if planned else validate_recipe(data)
+    if cfg is not None and args.print_config:
+        return _print_config(cfg)
 
     from remat.distributed.env import ProcessEnv, check_cuda_devices
     from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
 
     options = LaunchOptions.from_namespace(args)
+    if cfg is None:
+        cfg, overrides = _planned_recipe(args.recipe, overrides, options)
+        if args.print_config:
+            return _print_config(cfg)
     if check_launch_environment(options):
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
@@ -84,6 +89,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+def _print_config(cfg: Any) -> int:
+    import yaml
+
+    print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
+    return 0
 
 
 def single_process_note(strategy: str, world_size: int, recipe: str) -> str | None:
@@ -116,6 +128,23 @@ def restart_before_launch(cfg: Any, node_rank: int | None, overrides: list[str])
     if not node_rank:
         supersede_checkpoints(checkpoint_directory(cfg))
     return [*overrides, "--checkpoint.resume", "auto"]
+
+
+def _planned_recipe(path: str, overrides: list[str], options: Any) -> tuple[Any, list[str]]:
+    """The recipe, with ``distributed.activation_checkpointing: auto`` resolved by the planner into a per-layer
+    policy (planned once, here; worker processes get the chosen policy as an override), and the overrides."""
+    import json
+    import os
+
+    from remat.planner import load_planned_recipe
+
+    world_size = options.num_processes() if options.requested else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg, plan = load_planned_recipe(path, overrides, world_size=world_size)
+    if plan is None:
+        return cfg, overrides
+    logger.info("activation checkpointing 'auto' planned for %.2f GiB:\n%s", plan.budget_bytes / 2**30,
+                plan.table(candidates=False))
+    return cfg, [*overrides, "--distributed.activation_checkpointing", json.dumps(plan.policy.to_dict())]
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:

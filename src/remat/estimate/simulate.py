@@ -134,6 +134,13 @@ class _SimulationMode(TorchDispatchMode):
             del workspace
 
 
+def simulation_mode(target: Target) -> TorchDispatchMode:
+    """The dispatch mode the simulated step runs under for ``target`` (enter it inside the fake mode, above any
+    tracker): real integer inputs stay real, and on ``"cuda"`` attention backward workspaces are allocated. The
+    planner (`remat.planner.measure`) runs single blocks under it, as the step runs them."""
+    return _SimulationMode(cuda=target == "cuda")
+
+
 def _all_real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """True when the arguments hold at least one tensor and no fake one (lists of tensors included)."""
     found = False

@@ -145,20 +145,31 @@ class TrainingConfig(StrictModel):
     max_nonfinite_steps: PositiveInt = 3
 
 
+PLANNER_KEYS: tuple[str, ...] = ("memory_budget",)
+"""``distributed`` keys read by the planner (`remat.planner`, above the recipe), not by ``DistributedSetup.build``."""
+
+
 class DistributedConfig(StrictModel):
     """``distributed``: the parallelism strategy and activation checkpointing (the seed documents' keys).
 
-    Every key is an argument of ``remat.DistributedSetup.build``. ``mixed_precision`` and ``cpu_offload`` apply to
+    Every key but `PLANNER_KEYS` is an argument of ``remat.DistributedSetup.build``. ``mixed_precision`` and
+    ``cpu_offload`` apply to
     FSDP2 (its ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy``); ``fsdp_reduce_every_micro_batch: false`` defers
     FSDP2's gradient reduce-scatter to the last micro-batch of a step (less communication, unsharded gradients held
     during accumulation). ``device``: ``auto`` trains on CUDA device ``LOCAL_RANK`` when the node has a GPU per
     process (else on the CPU, with a warning if there are GPUs, but too few), ``cpu`` on the CPU (gloo), ``cuda`` on the
     GPUs (NCCL; an error when there are fewer GPUs than processes per node).
+
+    ``activation_checkpointing: auto`` asks the planner (`remat.planner`, above the recipe) for the per-layer policy
+    with the least recompute whose predicted peak fits ``memory_budget`` (per rank: bytes, a size such as
+    ``40GiB``, or a fraction of the GPU's memory such as 0.8; default: the GPU's memory minus a margin). `remat
+    finetune` resolves it before the recipe is built, so the validated recipe always holds a concrete policy.
     """
 
     strategy: Literal[STRATEGIES] = "single"  # type: ignore[valid-type]
     device: Literal[DEVICE_CHOICES] = "auto"  # type: ignore[valid-type]
     activation_checkpointing: TypedPolicy = Field(default_factory=lambda: parse_policy(False))
+    memory_budget: PositiveInt | PositiveFloat | str | None = None
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
     cp_size: PositiveInt = 1

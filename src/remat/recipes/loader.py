@@ -17,6 +17,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from remat.checkpointing.policy import AUTO
 from remat.errors import ConfigError, RematError
 from remat.loss.contract import loss_input
 from remat.recipes.config import RecipeConfig, TargetConfig
@@ -160,11 +161,26 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
 
 def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
     """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate."""
+    return validate_recipe(load_recipe_data(path, overrides))
+
+
+def asks_for_auto(data: Mapping[str, Any]) -> bool:
+    """Whether a recipe mapping asks for ``distributed.activation_checkpointing: auto`` (which the planner,
+    `remat.planner`, resolves before the recipe is validated)."""
+    section = data.get("distributed")
+    value = section.get("activation_checkpointing") if isinstance(section, Mapping) else None
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def load_recipe_data(path: str | Path,
+                     overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
+    """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (the planner resolves
+    ``activation_checkpointing: auto`` in it first)."""
     data = read_yaml(path)
     _refuse_runner_only_keys(data, path)
     pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
              else list(overrides))
-    return validate_recipe(apply_overrides(data, pairs))  # type: ignore[arg-type]
+    return apply_overrides(data, pairs)  # type: ignore[arg-type]
 
 
 def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:
