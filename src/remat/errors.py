@@ -20,3 +20,7 @@ class CheckpointingError(RematError, ValueError):
 
 class TrainingDivergedError(RematError):
     """A step's loss or gradient norm is NaN or infinite: the run stops before it saves anything from that state."""
+
+
+class DistributedSetupError(RematError):
+    """The process group could not be set up in time: a rank did not arrive or cannot be reached."""
