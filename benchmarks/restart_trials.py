@@ -150,7 +150,9 @@ def run_trial(index: int, workdir: Path, settings: TrialSettings, rng: random.Ra
             if proc.poll() is None:
                 problems.append(f"hung: still running after {settings.timeout_s:.0f} s")
         finally:
-            if proc.poll() is None:
+            if proc.poll() is None:  # torchrun starts its workers in sessions of their own: end them first
+                for pid in _workers(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     seconds = time.monotonic() - start
