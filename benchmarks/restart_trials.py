@@ -18,6 +18,7 @@ try failed. ``tests/distributed/test_restarts.py`` runs one try of the same code
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -152,7 +153,8 @@ def run_trial(index: int, workdir: Path, settings: TrialSettings, rng: random.Ra
         finally:
             if proc.poll() is None:  # torchrun starts its workers in sessions of their own: end them first
                 for pid in _workers(proc.pid):
-                    os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     seconds = time.monotonic() - start
