@@ -49,11 +49,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
     from remat.recipes.loader import load_recipe
 
+    options = LaunchOptions.from_namespace(args)
+    options.check()  # impossible launcher values are refused before anything is read or started
     cfg = load_recipe(args.recipe, overrides)
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
         return 0
-    options = LaunchOptions.from_namespace(args)
     if check_launch_environment(options):
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts

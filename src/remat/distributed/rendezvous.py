@@ -95,7 +95,7 @@ def setup_failure(rank: int, world_size: int, init_timeout_s: float, cause: str)
     env = os.environ
     where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
     restart = env.get("TORCHELASTIC_RESTART_COUNT")
-    first = cause.strip().splitlines()[0] if cause.strip() else "no answer"
+    first = cause.strip().splitlines()[0].rstrip(".") if cause.strip() else "no answer"
     return (f"distributed setup: rank {rank} of {world_size} could not join the process group at {where}"
             + (f" (restart {restart})" if restart not in (None, "0") else "")
             + f" within distributed.init_timeout_s={init_timeout_s:g}: {first[:300]}. A rank did not arrive or "
