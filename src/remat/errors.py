@@ -22,3 +22,7 @@ class TrainingDivergedError(RematError):
     """Training produced NaN or infinite values: a step's loss or gradient norm (the run stops per
     ``training.on_nonfinite``, with that step's update not applied), or weights or optimizer state about to be saved
     or just resumed from. Nothing non-finite is saved."""
+
+
+class DistributedSetupError(RematError):
+    """The process group could not be set up in time: a rank did not arrive or cannot be reached."""

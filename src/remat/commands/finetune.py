@@ -49,8 +49,11 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from remat.distributed.launch import LaunchOptions
     from remat.recipes.loader import asks_for_auto, load_recipe_data, validate_recipe
 
+    options = LaunchOptions.from_namespace(args)
+    options.check()  # impossible launcher values are refused before anything is read or started
     overrides = restart_overrides(overrides) if args.restart else list(overrides)
     data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
     planned = asks_for_auto(data)
@@ -59,10 +62,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return _print_config(cfg)
 
     from remat.distributed.env import ProcessEnv, check_cuda_devices
-    from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
+    from remat.distributed.launch import check_launch_environment, launch
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
 
-    options = LaunchOptions.from_namespace(args)
     if cfg is None:
         cfg, overrides = _planned_recipe(args.recipe, overrides, options)
         if args.print_config:

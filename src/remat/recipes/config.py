@@ -176,6 +176,10 @@ class DistributedConfig(StrictModel):
     mixed_precision: Literal[MIXED_PRECISION] | None = None  # type: ignore[valid-type]
     cpu_offload: bool = False
     fsdp_reduce_every_micro_batch: bool = True
+    init_timeout_s: PositiveFloat = 600.0
+    """Joining the process group must finish within this many seconds (a rank that never arrives is an error)."""
+    timeout_s: PositiveFloat | None = None
+    """The collectives' time limit; null: torch's default (30 minutes for gloo, 10 for NCCL)."""
 
 
 class CheckpointConfig(StrictModel):
