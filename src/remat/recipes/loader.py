@@ -146,7 +146,10 @@ def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str,
     data = read_yaml(path)
     _refuse_runner_only_keys(data, path)
     pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
-    return validate_recipe(apply_overrides(data, pairs))  # type: ignore[arg-type]
+    data = apply_overrides(data, pairs)  # type: ignore[arg-type]
+    if data.get("output_dir") in (None, ""):  # each recipe file its own run directory (remat.recipes.resume_changes)
+        data["output_dir"] = f"outputs/{Path(path).stem}"
+    return validate_recipe(data)
 
 
 def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:
