@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel
 from test_finetune import run, tiny_recipe
 
+from remat.cli import main
 from remat.data import StatefulBatchIterator
 from remat.errors import ConfigError
 from remat.recipes.config import RecipeConfig
@@ -249,7 +250,8 @@ def test_two_recipes_without_output_dir_never_share_a_directory(tmp_path: Path,
     assert load_recipe(tmp_path / "first.yaml", ["--output_dir", "elsewhere"]).output_dir == "elsewhere"
 
 
-def test_a_different_run_in_the_same_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_different_run_in_the_same_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     for folder, hidden in (("a", 64), ("b", 96)):
         recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 1})
@@ -258,11 +260,14 @@ def test_a_different_run_in_the_same_directory_is_refused(tmp_path: Path, monkey
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "train.yaml").write_text(yaml.safe_dump(recipe))
     FinetuneRecipe(load_recipe(tmp_path / "a" / "train.yaml")).run()
-    with pytest.raises(ConfigError) as err:
-        FinetuneRecipe(load_recipe(tmp_path / "b" / "train.yaml")).run()
-    line = _one_line(err)
-    assert "model.config.hidden_size: 64 (saved) vs 96 (now)" in line
-    assert line.endswith("use another output_dir (now 'outputs/train')")
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in (tmp_path / "outputs").rglob("*"))
+    capsys.readouterr()
+    assert main(["finetune", str(tmp_path / "b" / "train.yaml")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[remat]")]
+    assert len(errors) == 1 and errors[0].startswith("error: cannot resume outputs/train/checkpoints/step_1 with ")
+    assert "model.config.hidden_size: 64 (saved) vs 96 (now)" in errors[0]
+    assert errors[0].endswith("use another output_dir (now 'outputs/train')")
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in (tmp_path / "outputs").rglob("*")) == before
 
 
 def test_python_configs_without_output_dir_get_one_per_run_identity(tmp_path: Path) -> None:
