@@ -311,3 +311,18 @@ def test_config_differences_name_whole_sections_set_on_one_side() -> None:
     changes = list(config_differences({"peft": None, "a": {"b": 1, "c": 2}}, {"peft": {"r": 8}, "a": {"b": 1}}))
     assert [(c.key, c.values()) for c in changes] == [("a.c", "2 (saved) vs (not set) (now)"),
                                                       ("peft", 'null (saved) vs {"r": 8} (now)')]
+
+
+def test_many_refused_keys_still_make_one_short_line(tmp_path: Path) -> None:
+    cfg = validate_recipe(tiny_recipe(tmp_path))
+    saved = cfg.model_dump(mode="json", by_alias=True)
+    saved["model"]["config"] = {**saved["model"]["config"], **{f"extra_{i}": i for i in range(10)}}
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_1" / "train_state.json").write_text(json.dumps({"config": saved}))
+    rows = [{"input_ids": torch.tensor([i]), "labels": torch.tensor([i])} for i in range(8)]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ConfigError) as err:
+        plan_resume(tmp_path / "step_1", cfg, data_fingerprint=None, batches=StatefulBatchIterator(rows, 2),
+                    optimizer=optimizer)
+    line = _one_line(err)
+    assert line.count("(saved) vs (not set) (now)") == 4 and "; and 6 more. To continue that run" in line

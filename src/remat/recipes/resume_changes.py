@@ -109,6 +109,7 @@ RESUME_RULES: dict[str, Rule] = {
 _UNKNOWN = Rule(WARNED, "remat has no rule for this key, so it is used as given: check that changing it mid-run is "
                         "safe")
 _SCHEDULE_KEYS = ("optimizer.lr", "step_scheduler.max_steps")
+_MAX_SHOWN = 4  # refused keys named in the one error line
 
 
 def rule_for(key: str) -> Rule:
@@ -238,8 +239,9 @@ def plan_resume(checkpoint: Path, cfg: RecipeConfig, *, data_fingerprint: str | 
     if not any(c.key == "step_scheduler.global_batch_size" for c in plan.changes):
         refused += _reshard(plan, train_state.get("data"), batches)
     if refused:
+        shown = refused[:_MAX_SHOWN] + ([f"and {len(refused) - _MAX_SHOWN} more"] if len(refused) > _MAX_SHOWN else [])
         raise ConfigError(
-            f"cannot resume {checkpoint} with this recipe: {'; '.join(refused)}. To continue that run, set these "
+            f"cannot resume {checkpoint} with this recipe: {'; '.join(shown)}. To continue that run, set these "
             f"back; to train this recipe from scratch, use another output_dir (now {cfg.output_dir!r})")
     for change in plan.changes:
         if change.rule.kind in (APPLIED, COMPATIBLE, WARNED):
