@@ -3,7 +3,6 @@ the run continues at the same global sample and its losses equal the one-process
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,9 @@ def test_one_process_checkpoint_continues_on_two_ranks_at_the_same_sample(tmp_pa
                       step_scheduler={**schedule, "local_batch_size": 4})
     del ddp["validation_dataset"]
     ddp["checkpoint"]["resume"] = str(step_2)
+    # No metrics file, so rank 0 draws no report.png after rank 1 has left: with the report, 1 of 2 runs on a loaded
+    # machine hung in ProcessGroupGloo's destructor at exit (after training had finished correctly).
+    ddp["logging"]["metrics_file"] = None
     recipe_file = tmp_path / "ddp.yaml"
     recipe_file.write_text(yaml.safe_dump(ddp))
     proc = run_torchrun(["-m", "remat.cli", "finetune", str(recipe_file)])
@@ -41,10 +43,10 @@ def test_one_process_checkpoint_continues_on_two_ranks_at_the_same_sample(tmp_pa
             "re-sharded to the same global sample)") in proc.stdout
     assert ("resume: data re-sharded from batches of 4 rows to 8 (local_batch_size 4 x 2 data-parallel ranks): "
             "continuing at row 16 of epoch 0, the same global sample") in proc.stdout
-    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    resumed = [row for row in rows if row["kind"] == "train"]
-    assert [row["step"] for row in resumed] == [3, 4]
-    # Same samples, same weights and moments; only the order of the gradient sums differs (DDP's all-reduce).
-    torch.testing.assert_close(torch.tensor([row["loss"] for row in resumed]),
-                               torch.tensor([r.loss for r in straight.records[2:]]), atol=1e-5, rtol=0)
-    assert [row["num_label_tokens"] for row in resumed] == [r.num_label_tokens for r in straight.records[2:]]
+    resumed = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("step ") and "| loss " in line]
+    assert [fields[0] for fields in resumed] == ["step 3", "step 4"]
+    # Same samples, same weights and moments; only the order of the gradient sums differs (DDP's all-reduce). The
+    # log line rounds the loss to 4 decimals.
+    torch.testing.assert_close(torch.tensor([float(fields[2].split()[1]) for fields in resumed]),
+                               torch.tensor([r.loss for r in straight.records[2:]]), atol=6e-5, rtol=0)
+    assert [int(fields[-1].split()[1]) for fields in resumed] == [r.num_label_tokens for r in straight.records[2:]]
