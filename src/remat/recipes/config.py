@@ -234,7 +234,10 @@ class RecipeConfig(StrictModel):
     """A whole fine-tuning recipe. Every section but ``model`` has defaults."""
 
     seed: int = Field(default=1234, ge=0, lt=2**63)  # what torch.manual_seed, random and numpy all accept
-    output_dir: str = "outputs/run"
+    output_dir: str = ""
+    """Where metrics and checkpoints go. Left empty: ``outputs/<recipe file stem>`` for a recipe file
+    (`remat.recipes.loader.load_recipe`), ``outputs/run-<8 hex digits of the run's identity>`` otherwise
+    (`remat.recipes.resume_changes.default_output_dir`), so two recipes never share one by accident."""
     custom_target_packages: list[str] = Field(default_factory=list)
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -257,3 +260,12 @@ class RecipeConfig(StrictModel):
         from remat.recipes.targets import check_custom_packages
 
         return list(check_custom_packages(value))
+
+    @model_validator(mode="after")
+    def _derived_output_dir(self) -> RecipeConfig:
+        if not self.output_dir:
+            from remat.recipes.resume_changes import default_output_dir
+
+            # Not an assignment: validate_assignment would run this validator again.
+            self.__dict__["output_dir"] = default_output_dir(self.model_dump(mode="json", by_alias=True))
+        return self

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
+from remat.data.fingerprint import dataset_fingerprint
 from remat.data.loader import collate
 from remat.distributed import ProcessEnv, validate_settings
 from remat.errors import ConfigError
@@ -39,6 +40,7 @@ from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save
 from remat.recipes.output_paths import OutputPaths
+from remat.recipes.resume_changes import plan_resume
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.step import autocast, step_label_tokens, train_step
@@ -117,6 +119,8 @@ class FinetuneRecipe:
         )
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
         self.step = 0
+        self.data_fingerprint = dataset_fingerprint(self.train_data)
+        self.resume_notes: list[str] = []
         self.resumed_from = self._maybe_resume()
 
     def _maybe_resume(self) -> Path | None:
@@ -149,10 +153,15 @@ class FinetuneRecipe:
         return path
 
     def _restore(self, path: Path) -> None:
-        """Load the verified checkpoint at ``path`` into the run (model, optimizer, schedule, RNGs, data position)."""
+        """Load the verified checkpoint at ``path`` into the run (model, optimizer, schedule, RNGs, data position),
+        after classifying how the recipe changed since it was saved (`remat.recipes.resume_changes`): a refused
+        change is a ConfigError before anything is loaded; applied and compatible ones are applied here."""
+        changes = plan_resume(path, self.cfg, data_fingerprint=self.data_fingerprint, batches=self.batches,
+                              optimizer=self.optimizer)
         state = self._load(path)
         self.step = int(state["step"])
-        self.batches.load_state_dict(state["data"])
+        self.batches.load_state_dict(changes.data_state(state["data"], self.batches))
+        self.resume_notes = changes.apply(self.optimizer, self.lr_scheduler, self.step)
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -270,7 +279,8 @@ class FinetuneRecipe:
     def _save(self, reporter: RunReporter) -> Path:
         """Save on every rank together: sharded for fsdp2, from rank 0 in the single-process format otherwise."""
         train_state = {"step": self.step, "epoch": self.batches.epoch, "data": self.batches.state_dict(),
-                       "config": self.cfg.model_dump(mode="json", by_alias=True)}
+                       "config": self.cfg.model_dump(mode="json", by_alias=True),
+                       "data_fingerprint": self.data_fingerprint}
         arguments: dict[str, Any] = {
             "model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
             "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,
@@ -304,6 +314,8 @@ class FinetuneRecipe:
         reporter.info(f"mem: {MEMORY_SOURCE_NOTES[self.memory_meter.source]}{ranks}")
         if self.resumed_from is not None:
             reporter.info(f"resumed from {self.resumed_from} at step {self.step}")
+            for note in self.resume_notes:
+                reporter.info(note)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}

@@ -180,7 +180,10 @@ def load_recipe_data(path: str | Path,
     _refuse_runner_only_keys(data, path)
     pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
              else list(overrides))
-    return apply_overrides(data, pairs)  # type: ignore[arg-type]
+    data = apply_overrides(data, pairs)  # type: ignore[arg-type]
+    if data.get("output_dir") in (None, ""):  # each recipe file its own run directory (remat.recipes.resume_changes)
+        data["output_dir"] = f"outputs/{Path(path).stem}"
+    return data
 
 
 def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:

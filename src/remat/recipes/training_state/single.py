@@ -223,7 +223,13 @@ def _load_through_transformers(model: PreTrainedModel, directory: Path) -> None:
     dtype = next(model.parameters()).dtype
     with quiet_progress_bars():
         reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
-    result = model.load_state_dict(reference.state_dict(), strict=False)
+    try:
+        result = model.load_state_dict(reference.state_dict(), strict=False)
+    except RuntimeError as err:  # size mismatches: one line, not torch's list of every tensor
+        mismatches = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
+        raise ConfigError(
+            f"checkpoint weights in {directory} do not fit the model: {len(mismatches)} tensors have another shape "
+            f"(e.g. {mismatches[0] if mismatches else err}); build the model from the same config.") from None
     if result.unexpected_keys or set(result.missing_keys) - _tied_names(model):
         raise ConfigError(
             f"checkpoint weights in {directory} do not fit the model: missing {sorted(result.missing_keys)[:5]}, "
