@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from remat.cli import main
 from remat.errors import ConfigError
 from remat.models import ModelConfig, build_model, resolve_model_config
 
@@ -40,3 +43,18 @@ def test_heads_may_leave_a_remainder_when_head_dim_is_given() -> None:
         "hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 32}))
     assert (config.hidden_size, config.num_attention_heads, config.head_dim) == (96, 3, 32)
     assert resolve_model_config(ModelConfig(preset="tiny-llama", config={"num_key_value_heads": None}))
+
+
+def test_finetune_refuses_a_bad_shape_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"preset": "tiny-llama", "config": {"hidden_size": -64}}, "output_dir": str(tmp_path / "out"),
+        "dataset": {"seq_length": 32}, "step_scheduler": {"max_steps": 1, "global_batch_size": 2,
+                                                          "local_batch_size": 2}}))
+    assert main(["finetune", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: model.config.hidden_size: got -64; allowed: an integer >= 1"]
+    assert "Traceback" not in err and not (tmp_path / "out" / "latest").exists()
