@@ -3,7 +3,7 @@
 For each size (MB of text), the same English text (the builtin corpus, repeated) is written as one JSONL row
 (`{"text": ...}` on a single line) and as rows of about 2 kB cut at spaces, and each file is tokenized with the
 builtin tokenizer and packed into rows of 256 tokens by `remat.data.build_dataset`, each build in a fresh process
-that reports its peak RSS (`ru_maxrss`). The baseline is the same process after its imports and the tokenizer load.
+that reports its peak RSS (`VmHWM`). The baseline is the same process after its imports and the tokenizer load.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_long_documents.py --sizes 20 200
     PYTHONPATH=src .venv/bin/python benchmarks/bench_long_documents.py --sizes 20 200 --out benchmarks/results
@@ -27,15 +27,20 @@ from typing import Any
 
 SHORT_ROW_CHARS = 2000
 
+# The child reads its peak RSS from /proc/self/status (VmHWM, this process's own address space): ru_maxrss would
+# start at the parent's RSS, which a child inherits across exec on Linux.
 _CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 from remat.data import DatasetConfig, TokenizerConfig, build_dataset, build_tokenizer
+def hwm_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 tokenizer = build_tokenizer(TokenizerConfig())
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm_kib()
 start = time.perf_counter()
 dataset = build_dataset(DatasetConfig(path=sys.argv[1], seq_length=256, shuffle=False), tokenizer)
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = hwm_kib()
 print(json.dumps({"baseline_kib": base, "peak_kib": peak, "seconds": seconds, "rows": len(dataset),
                   "tokens": int(dataset.tensors["input_ids"].numel())}))
 """

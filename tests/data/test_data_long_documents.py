@@ -69,14 +69,18 @@ def test_documents_hold_compact_arrays() -> None:
         EncodedDocument([1, 2], [True])
 
 
+# Peak RSS from VmHWM (this process's own address space): ru_maxrss starts at the parent's (pytest's) RSS.
 _CHILD = r"""
-import json, resource, sys
+import json, sys
 from remat.data import DatasetConfig, build_dataset
 from remat.data.tokenizer import load_tokenizer_from_path
+def hwm_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 tokenizer = load_tokenizer_from_path(sys.argv[2])
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm_kib()
 dataset = build_dataset(DatasetConfig(path=sys.argv[1], seq_length=256, shuffle=False), tokenizer)
-print(json.dumps({"growth_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base,
+print(json.dumps({"growth_kib": hwm_kib() - base,
                   "tokens": int(dataset.tensors["input_ids"].numel())}))
 """
 

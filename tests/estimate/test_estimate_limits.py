@@ -19,12 +19,15 @@ from remat.models import ModelConfig
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-# Runs the command line in a child whose peak RSS (ru_maxrss, KiB on Linux) is printed after it.
+# Runs the command line in a child that prints its peak RSS after it: VmHWM, its own address space's high-water mark
+# in KiB (ru_maxrss would start at the parent's, pytest's, RSS: Linux carries it across exec).
 _CHILD = """
-import resource, sys
+import sys
 from remat.cli import main
 code = main(sys.argv[1:])
-print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+with open("/proc/self/status") as status:
+    hwm = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+print("maxrss_kib", hwm, file=sys.stderr)
 sys.exit(code)
 """
 
