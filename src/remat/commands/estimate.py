@@ -84,7 +84,8 @@ def register(subparsers: Any) -> None:
                      help="one row per setting: none/selective/full x plain/fused, plus each --setting")
     out.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE[,...]",
                      help="an extra --compare row, or (once, without --compare) an adjustment of the estimate")
-    out.add_argument("--fits", metavar="SIZE", help="device memory to check against, e.g. 80GiB, 80G (= GiB) or 24GB (10^9)")
+    out.add_argument("--fits", metavar="SIZE",
+                     help="device memory to check against, e.g. 80GiB, 80G (= GiB) or 24GB (10^9 bytes)")
     out.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
     out.add_argument("--plot", metavar="PATH", help="write a PNG chart of the breakdown per setting")
 
