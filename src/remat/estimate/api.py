@@ -173,9 +173,7 @@ def _model_config(model: ModelLike) -> ModelConfig:
             path = path / "config.json"
         if path.is_file():
             return _from_config_file(path)
-        if text in preset_names():
-            return ModelConfig(preset=text)
-        get_preset(text)  # raises ConfigError with the known names and close matches
+        return ModelConfig(preset=get_preset(text).name)  # case-insensitive; unknown: the names and close matches
     raise ConfigError(f"model: got {model!r}; allowed: a preset name ({', '.join(preset_names())}), a config.json "
                       "path or its directory, a transformers config, or a remat.models.ModelConfig")
 

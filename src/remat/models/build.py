@@ -31,6 +31,7 @@ from remat.errors import ConfigError
 from remat.hub import hub_load_error
 from remat.models.config import ModelConfig
 from remat.models.presets import get_preset, preset_for_hub_id
+from remat.models.shape import check_config_shape
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ def _config_from_mapping(mapping: dict[str, Any], cfg: ModelConfig) -> Pretraine
             "(AutoModelForCausalLM cannot build it); choose a decoder model type such as 'llama' or 'qwen3'."
         )
     _reject_unknown_keys(config_class, model_type, fields)
+    check_config_shape(config_class, fields)
     try:
         return AutoConfig.for_model(model_type, trust_remote_code=cfg.trust_remote_code, **fields)
     except Exception as err:  # transformers raises ValueError, TypeError and huggingface_hub validation errors
