@@ -33,11 +33,17 @@ def _is_hf_dataset_dir(path: Path) -> bool:
 
 
 def _read_jsonl(path: Path, key: str) -> Iterator[RawRow]:
-    with path.open("r", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # bytes, decoded per line, so that a non-UTF-8 line is named
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{key}: {where} is not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                  f"{exc.start + 1}); JSON lines files are UTF-8") from None
+            del raw
             if not line.strip():
                 continue
-            where = f"{path} line {number}"
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
