@@ -24,6 +24,10 @@ def test_finetune_help_lists_every_recipe_key(capsys: pytest.CaptureFixture[str]
                 "model.output_hidden_states", "dataset.seq_length", "checkpoint.resume", "peft.r",
                 "validation_dataset.split", "logging.memory"):
         assert key in out, key
+    for raw in ("typing.", "Optional[", "Annotated[", "Gt(", "<class", "CheckpointPolicy("):
+        assert raw not in out, raw  # types read as a person writes them
+    assert "step_scheduler.val_every_steps  [int > 0 or null]  default null" in out
+    assert "lr_scheduler.decay  [one of cosine | linear | constant]  default 'cosine'" in out
 
 
 def test_config_error_is_one_message_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,3 +87,66 @@ def test_log_level_is_taken_before_or_after_the_command() -> None:
     assert parser.parse_known_args(["report", "out", "--log-level", "DEBUG"])[0].log_level == "DEBUG"
     assert parser.parse_known_args(["--log-level", "ERROR", "report", "out"])[0].log_level == "ERROR"
     assert parser.parse_known_args(["report", "out"])[0].log_level == "INFO"
+
+
+def test_a_distributed_strategy_in_one_process_is_said() -> None:
+    from remat.commands.finetune import single_process_note
+
+    note = single_process_note("fsdp2", 1, "fsdp2_quickstart")
+    assert note is not None and "'fsdp2' but this is one process" in note
+    assert "remat finetune fsdp2_quickstart --nproc-per-node N" in note
+    assert single_process_note("fsdp2", 2, "r.yaml") is None and single_process_note("single", 1, "r.yaml") is None
+
+
+def test_a_full_disk_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    from remat.commands import report
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/.tmp-step_4-1/optimizer.pt")
+
+    monkeypatch.setattr(report, "run", full)
+    assert main(["report", "somewhere"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: No space left on device (/ckpt/.tmp-step_4-1/optimizer.pt): the run stopped")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.commands import report
+
+    def bug(*args: object) -> int:
+        raise FileNotFoundError(2, "No such file or directory", "x")
+
+    monkeypatch.setattr(report, "run", bug)
+    with pytest.raises(FileNotFoundError):
+        main(["report", "somewhere"])
+
+
+def test_restart_flag_sets_checkpoint_resume_restart(capsys: pytest.CaptureFixture[str]) -> None:
+    quickstart = str(ROOT / "examples" / "quickstart.yaml")
+    assert main(["finetune", quickstart, "--restart", "--print-config"]) == 0
+    assert "resume: restart" in capsys.readouterr().out
+    assert main(["finetune", quickstart, "--restart", "--checkpoint.resume", "never", "--print-config"]) == 2
+    assert "error: --restart: conflicts with --checkpoint.resume never; give one of them" in capsys.readouterr().err
+
+
+def test_restart_under_the_launcher_moves_checkpoints_once_and_workers_resume_auto(tmp_path: Path) -> None:
+    from remat.commands.finetune import restart_before_launch
+    from remat.recipes.loader import load_recipe
+
+    cfg = load_recipe(ROOT / "examples" / "quickstart.yaml",
+                      ["--output_dir", str(tmp_path), "--checkpoint.resume", "restart"])
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step_3").mkdir(parents=True)
+    (checkpoints / "step_3" / "COMPLETE.json").write_text("{}")
+    (checkpoints / "latest").write_text("step_3\n")
+    overrides = restart_before_launch(cfg, None, ["--checkpoint.resume", "restart"])
+    assert overrides == ["--checkpoint.resume", "restart", "--checkpoint.resume", "auto"]
+    (aside,) = [p for p in checkpoints.iterdir()]
+    assert aside.name.startswith(".superseded-")
+    assert sorted(p.name for p in aside.iterdir()) == ["latest", "step_3"]
+    assert (aside / "latest").read_text() == "step_3\n"
+    restart_before_launch(cfg, 1, [])  # another node's launcher moves nothing
+    assert [p.name for p in checkpoints.iterdir()] == [aside.name]

@@ -40,3 +40,28 @@ def test_public_names_resolve_lazily() -> None:
     assert remat.CheckpointPolicy.__name__ == "CheckpointPolicy"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = remat.nope
+
+
+def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``remat ARGS`` in a fresh interpreter that reports at exit whether torch or transformers were imported."""
+    probe = ("import atexit, sys; atexit.register(lambda: print('heavy:', sorted(m for m in ('torch', 'transformers') "
+             "if m in sys.modules), file=sys.stderr)); from remat.cli import main; raise SystemExit(main(sys.argv[1:]))")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", probe, *args], env=env, cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args", [("--help",), ("finetune", "--help"), ("estimate", "--help"), ("report", "--help")])
+def test_help_loads_neither_torch_nor_transformers(args: tuple[str, ...], tmp_path: Path) -> None:
+    done = _run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "usage: remat" in done.stdout
+    assert "heavy: []" in done.stderr
+
+
+def test_a_recipe_mistake_is_reported_before_torch_loads(tmp_path: Path) -> None:
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("model: {preset: tiny-llama}\nstep_sceduler: {max_steps: 2}\n")
+    done = _run_cli("finetune", str(recipe), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "step_sceduler: unknown key; did you mean 'step_scheduler'?" in done.stderr
+    assert "heavy: []" in done.stderr

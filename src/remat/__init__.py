@@ -7,6 +7,8 @@ The public API, re-exported here (nothing inside the package imports from this m
 - ``remat.loss.FusedLinearCrossEntropy`` and ``remat.loss.MaskedCrossEntropy``.
 - ``LiveTensorTracker`` and ``StepMemoryMeter`` (``remat.memory``): exact memory accounting;
   ``estimate_memory(...) -> MemoryEstimate`` (``remat.estimate``): a training step's peak predicted on fake tensors.
+- ``plan_activation_checkpointing(model_or_recipe, memory_budget=...) -> ActivationPlan`` (``remat.planner``): the
+  per-layer policy with the least predicted recompute that fits a budget; ``apply_activation_checkpointing`` takes it.
 - ``DistributedSetup``: how the model is spread over processes, and the order savers are applied in.
 - ``AutoModelForCausalLM.from_pretrained(path_or_hub_id_or_preset, distributed_setup=...)`` / ``.from_config``:
   build a model and apply the setup's checkpointing and parallelism in one call (the plan in ``model.remat_plan``).
@@ -32,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "RematError": "remat.errors",
     "MemoryEstimate": "remat.estimate",
     "estimate_memory": "remat.estimate",
+    "ActivationPlan": "remat.planner",
+    "plan_activation_checkpointing": "remat.planner",
     "LiveTensorTracker": "remat.memory",
     "MemoryReading": "remat.memory",
     "StepMemoryMeter": "remat.memory",
@@ -44,6 +48,7 @@ _EXPORTS: dict[str, str] = {
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationPlan",
     "AutoModelForCausalLM",
     "CheckpointPlan",
     "CheckpointPolicy",
@@ -64,6 +69,7 @@ __all__ = [
     "load_recipe",
     "loss",
     "parse_policy",
+    "plan_activation_checkpointing",
 ]
 
 
@@ -90,5 +96,6 @@ if TYPE_CHECKING:
     from remat.estimate import MemoryEstimate, estimate_memory
     from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter
     from remat.models import ModelConfig, build_model
+    from remat.planner import ActivationPlan, plan_activation_checkpointing
     from remat.recipes.finetune import FinetuneRecipe
     from remat.recipes.loader import load_recipe

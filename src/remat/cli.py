@@ -1,6 +1,7 @@
 """The ``remat`` command line. Each subcommand lives in ``remat.commands.<name>``.
 
-User mistakes (``remat.errors.RematError``) are printed as one message without a traceback and exit with status 2.
+User mistakes (``remat.errors.RematError``) are printed as one message without a traceback and exit with status 2;
+faults of the machine (a full disk, a read-only file system, an I/O error) as one line with status 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import errno  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
@@ -24,7 +26,10 @@ from types import ModuleType
 from remat import __version__  # noqa: E402
 from remat.errors import RematError  # noqa: E402
 
-COMMANDS: tuple[str, ...] = ("finetune", "estimate", "report")
+#: Faults of the machine rather than of the input: one line and exit status 1, not a traceback.
+ENVIRONMENT_FAULTS: frozenset[int] = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+COMMANDS: tuple[str, ...] = ("finetune", "estimate", "plan", "report", "recipes")
 
 
 def _command_modules() -> dict[str, ModuleType]:
@@ -64,6 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RematError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        if err.errno not in ENVIRONMENT_FAULTS:
+            raise
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"error: {os.strerror(err.errno)}{where}: the run stopped; checkpoints are written to a temporary "
+              "directory and published only when complete, so the last complete one is intact", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: stopped at once (the last complete checkpoint is kept)", file=sys.stderr)
         return 130

@@ -19,4 +19,10 @@ class CheckpointingError(RematError, ValueError):
 
 
 class TrainingDivergedError(RematError):
-    """A step's loss or gradient norm is NaN or infinite: the run stops before it saves anything from that state."""
+    """Training produced NaN or infinite values: a step's loss or gradient norm (the run stops per
+    ``training.on_nonfinite``, with that step's update not applied), or weights or optimizer state about to be saved
+    or just resumed from. Nothing non-finite is saved."""
+
+
+class DistributedSetupError(RematError):
+    """The process group could not be set up in time: a rank did not arrive or cannot be reached."""

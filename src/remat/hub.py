@@ -29,6 +29,20 @@ def hub_model_available(hub_id: str) -> bool:
     return True
 
 
+def hub_config_file(hub_id: str, key: str) -> str:
+    """The local path of the model repository's config.json (downloaded, or from the HF cache offline); one-line
+    ConfigError naming ``key`` when it cannot be had. Only that file is fetched: no weights."""
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(hub_id, "config.json")
+    except OSError as err:
+        raise hub_load_error(key, hub_id, "read config.json", err) from None
+    if path is None:
+        raise ConfigError(f"{key}: the Hub repository {hub_id!r} has no config.json")
+    return str(path)
+
+
 def hub_load_error(key: str, hub_id: str, action: str, err: Exception, hint: str = "") -> ConfigError:
     """One line: ``KEY: cannot ACTION for the Hub id ID (what to do; HINT): REASON``."""
     from huggingface_hub import constants

@@ -22,6 +22,13 @@ def test_invalid_json_names_file_and_line(word_tok, write_jsonl) -> None:
     )
 
 
+def test_non_utf8_line_names_file_line_and_byte(word_tok, tmp_path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    expect_error(rf"^dataset\.path: {re.escape(str(path))} line 2 is not UTF-8 text \(byte 0xe9 at column 14\)",
+                 DatasetConfig(path=str(path)), word_tok)
+
+
 def test_non_object_row_names_line_and_type(word_tok, write_jsonl) -> None:
     path = write_jsonl([{"text": "a"}, "[1, 2]"])
     expect_error(r"line 2 must be a JSON object, got list", DatasetConfig(path=str(path)), word_tok)

@@ -4,13 +4,14 @@ Modes: ``parity`` trains every case of ``PARITY_CASES`` and records losses, grad
 parameters are sharded, then trains with the FSDP2 options the recipe schema does not expose (deferred gradient
 reduction, bf16 mixed precision, CPU offload) through the Python API; ``resume`` trains a run straight, and the same
 run crashing after its step-4 checkpoint and resumed, for fsdp2 and ddp, and stops a run from one rank; ``nccl`` trains
-a few parity cases on 2 GPUs. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
+a few parity cases on 2 GPUs; ``corrupt`` resumes past a corrupted fsdp2 shard. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
 writes ``<mode>_rank<r>.json`` into OUT_DIR; the tests read and judge them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,26 @@ def resume(out: Path) -> dict[str, Any]:
     return report
 
 
+def corrupt_shard(out: Path) -> dict[str, Any]:
+    """fsdp2 checkpoints step_2 and step_4, then one byte of rank 1's DCP shard of step_4 changed (same size): the
+    next run skips step_4 on every rank (rank 0 verifies, all follow) and continues from step_2."""
+    recipe = tiny_recipe(out, strategy="fsdp2", max_steps=4, step_scheduler={"ckpt_every_steps": 2,
+                         "val_every_steps": None}, checkpoint={"enabled": True, "keep_last": 3})
+    _, first = train(recipe)
+    shard = out / "checkpoints" / "step_4" / "dcp" / "__1_0.distcp"
+    if dist.get_rank() == 0:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x5A
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("remat.recipes.training_state.verify").addHandler(handler)
+    job, resumed = train(recipe)
+    return {"first": curve(first), "resumed": curve(resumed), "resumed_from": str(job.resumed_from), "said": said}
+
+
 def stop_on_one_rank(out: Path) -> dict[str, Any]:
     """Only rank 1 is asked to stop (as by a signal that reached one process): every rank stops after that step
     and they save one checkpoint together."""
@@ -197,7 +218,7 @@ def nccl(out: Path) -> dict[str, Any]:
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    report = {"parity": parity, "resume": resume, "nccl": nccl}[mode](out)
+    report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

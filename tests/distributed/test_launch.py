@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from remat.cli import build_parser, main
-from remat.distributed.launch import LaunchOptions, check_launch_environment
+from remat.distributed.launch import LaunchOptions, check_launch_environment, share_store_off
 from remat.errors import ConfigError
 from remat.recipes.training_state import checkpoint_layout, find_latest_checkpoint
 
@@ -100,3 +100,53 @@ def test_fsdp2_example_runs_on_two_processes(tmp_path: Path, remat_cache: Path) 
     latest = find_latest_checkpoint(out / "checkpoints")
     assert latest is not None and latest.name == "step_3" and checkpoint_layout(latest) == "sharded"
     assert (latest / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--nnodes", "2", "--node-rank", "2"],
+     "--node-rank: got 2, but the launch has --nnodes 2; allowed: 0 .. 1, a different rank on each node"),
+    (["--nnodes", "1:3", "--node-rank", "3"], "--node-rank: got 3, but the launch has --nnodes 1:3; allowed: 0 .. 2"),
+    (["--node-rank", "-1"], "--node-rank: got -1, but the launch has one node (no --nnodes); allowed: 0,"),
+    (["--node-rank", "1"], "--node-rank: got 1, but the launch has one node (no --nnodes); allowed: 0,"),
+    (["--master-port", "99999"], "--master-port: got 99999; allowed: a port in 1 .. 65535"),
+    (["--master-port", "0"], "--master-port: got 0; allowed: a port in 1 .. 65535"),
+    (["--max-restarts", "-1"], "--max-restarts: got -1; allowed: 0 or more restarts"),
+    (["--nnodes", "0"], "--nnodes: got '0'; allowed: a positive number of nodes N, or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "3:2"], "--nnodes: got '3:2'; allowed: a positive number of nodes N, or MIN:MAX"),
+    (["--rdzv-endpoint", "node0:"], "--rdzv-endpoint: got 'node0:', whose port '' is not a port; allowed: HOST or "
+                                    "HOST:PORT (e.g. node0:29500, [::1]:29500), with a port in 1 .. 65535"),
+    (["--rdzv-endpoint", "node0:99999"], "--rdzv-endpoint: got 'node0:99999', whose port '99999' is not a port"),
+    (["--rdzv-endpoint", ":29500"], "--rdzv-endpoint: got ':29500', which names no host; allowed: HOST or HOST:PORT"),
+    (["--rdzv-endpoint", "node 0:29500"], "--rdzv-endpoint: got 'node 0:29500', which names no host"),
+])
+def test_impossible_launcher_values_are_refused_in_one_line(flags: list[str], message: str,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each value torchrun would fail on with a traceback, or wait forever with, is one line and status 2 before
+    anything is read or launched (the recipe path does not even exist)."""
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("remat.distributed.launch.launch", lambda *a: pytest.fail("launched"))
+    assert main(["finetune", "no-such-recipe.yaml", "--nproc-per-node", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: {err.removeprefix('error: ').strip()}"]
+    assert message in err
+
+
+@pytest.mark.parametrize("endpoint", ["node0", "node0:29500", "10.0.0.1:1", "[::1]:29500", "[fe80::1]"])
+def test_valid_endpoints_and_restarts_pass_the_checks(endpoint: str) -> None:
+    opts = options("--nproc-per-node", "2", "--nnodes", "1:2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                   "--max-restarts", "0", "--master-port", "65535")
+    opts.check()  # no error
+
+
+def test_restarts_over_several_nodes_get_a_new_store_per_round() -> None:
+    environ: dict[str, str] = {}
+    assert share_store_off(options("--nnodes", "2", "--max-restarts", "1"), environ) is True
+    assert environ == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    for flags, env in ((["--nnodes", "1", "--max-restarts", "3"], {}),  # one node: the workers prefix their keys
+                       (["--nnodes", "2"], {}), (["--nnodes", "2", "--max-restarts", "0"], {}),
+                       (["--nnodes", "1:2", "--max-restarts", "1"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})):
+        before = dict(env)
+        assert share_store_off(options(*flags), env) is False
+        assert env == before

@@ -258,3 +258,20 @@ def _fake_grouped_mm_takes_float32() -> bool:
         except RuntimeError:
             return False
     return True
+
+
+def test_the_cuda_estimate_models_the_fused_losss_compiled_fast_path() -> None:
+    from remat.estimate.simulate import with_cuda_loss_defaults
+
+    def loss_phase(**loss_kwargs: Any) -> int:
+        settings = StepSettings(batch_size=2, seq_length=256, loss="fused", loss_kwargs=loss_kwargs, target="cuda",
+                                dtype="bfloat16", policy="full")
+        return estimate_memory("tiny-llama", settings).phase_peaks["loss"]
+
+    default, compiled, eager = loss_phase(), loss_phase(compile=True), loss_phase(compile=False)
+    assert default == compiled != eager  # a GPU takes the compiled path unless the recipe says compile: false
+    plain = validate_recipe({"model": {"preset": "tiny-llama"}})
+    assert with_cuda_loss_defaults(plain) is plain  # the plain loss has no fast path to choose
+    fused = validate_recipe({"model": {"preset": "tiny-llama"},
+                             "loss_fn": {"_target_": "remat.loss.FusedLinearCrossEntropy", "chunk_size": 64}})
+    assert with_cuda_loss_defaults(fused).loss_fn.kwargs == {"chunk_size": 64, "compile": True}

@@ -166,9 +166,6 @@ def test_chunk_math_writes_the_gradient_over_the_logits_buffer() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-                    reason="torch 2.11's CPU inductor gives 7.4928 vs the float64 7.7574 here (softcap + bias): "
-                           "under investigation; the compiled path is used by default only on CUDA")
 def test_compiled_on_the_cpu_equals_the_eager_math_and_does_not_recompile_for_a_new_scale(tmp_path,
                                                                                         monkeypatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

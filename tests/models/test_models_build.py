@@ -99,9 +99,12 @@ def test_legacy_keys_transformers_still_reads_are_accepted() -> None:
 
 def test_invalid_values_raise_config_error_with_the_transformers_message() -> None:
     with pytest.raises(ConfigError, match=r"^model\.config: transformers rejected the 'llama' config: .*"
-                                          r"not a multiple of the number of attention heads"):
+                                          r"expected int, got str"):
+        resolve_model_config(_tiny(max_position_embeddings="many"))
+    # Shape numbers are checked before transformers sees them (tests/models/test_models_shape.py).
+    with pytest.raises(ConfigError, match=r"^model\.config\.num_attention_heads: 4 does not divide hidden_size=30"):
         resolve_model_config(_tiny(hidden_size=30))
-    with pytest.raises(ConfigError, match=r"expected int, got str"):
+    with pytest.raises(ConfigError, match=r"^model\.config\.num_hidden_layers: got 'two'; allowed: an integer >= 1"):
         resolve_model_config(_tiny(num_hidden_layers="two"))
 
 
@@ -185,3 +188,13 @@ def test_pretrained_directory_with_a_broken_config_is_a_config_error(tmp_path: P
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"^model\.pretrained_model_name_or_path: cannot read a transformers config"):
         resolve_model_config(ModelConfig(pretrained_model_name_or_path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_a_damaged_weights_file_is_one_line(saved_tiny: tuple[Path, torch.nn.Module], damage: str) -> None:
+    path, _ = saved_tiny
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 16 + data[16:])
+    with pytest.raises(ConfigError, match=r"^model.pretrained_model_name_or_path: cannot load a causal LM from '.*tiny'"):
+        build_model(ModelConfig(pretrained_model_name_or_path=str(path)))

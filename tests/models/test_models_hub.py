@@ -45,6 +45,7 @@ SCRIPT = textwrap.dedent('''
     except ConfigError as err:
         report["missing"] = str(err)
     report["cli_exit"] = main(["finetune", missing_recipe])
+    report["estimate_exit"] = main(["estimate", recipe, "--target", "cpu", "--json", out + ".estimate.json"])
     open(out, "w").write(json.dumps(report))
 ''' % REPO)
 
@@ -92,7 +93,9 @@ def offline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(recipe), str(missing), str(out)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out.read_text()), weights, proc.stderr
+    report = json.loads(out.read_text())
+    report["estimate_json"] = str(out) + ".estimate.json"
+    return report, weights, proc.stderr
 
 
 def test_a_recipe_trains_a_cached_hub_model_offline(offline_run: tuple[dict[str, Any], dict[str, float], str]) -> None:
@@ -109,6 +112,14 @@ def test_from_pretrained_loads_the_cached_weights(offline_run: tuple[dict[str, A
     assert report["auto"]["weights"].keys() == weights.keys()
     for name, total in weights.items():
         assert report["auto"]["weights"][name] == pytest.approx(total, rel=1e-12), name
+
+
+def test_the_estimate_reads_a_cached_hub_config_offline(
+        offline_run: tuple[dict[str, Any], dict[str, float], str]) -> None:
+    report, _, _ = offline_run
+    assert report["estimate_exit"] == 0
+    estimate = json.loads(Path(report["estimate_json"]).read_text())
+    assert estimate["peak_bytes"] > 0
 
 
 def test_an_uncached_hub_id_offline_is_one_line(offline_run: tuple[dict[str, Any], dict[str, float], str]) -> None:

@@ -168,9 +168,11 @@ def test_every_distributed_key_is_an_argument_of_the_setup() -> None:
     import inspect
 
     from remat.distributed import DistributedSetup
-    from remat.recipes.config import DistributedConfig
+    from remat.recipes.config import PLANNER_KEYS, DistributedConfig
 
-    assert set(DistributedConfig.model_fields) <= set(inspect.signature(DistributedSetup.build).parameters)
+    setup_keys = set(DistributedConfig.model_fields) - set(PLANNER_KEYS)
+    assert setup_keys <= set(inspect.signature(DistributedSetup.build).parameters)
+    assert PLANNER_KEYS == ("memory_budget",)
 
 
 def test_a_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:
@@ -216,3 +218,28 @@ def test_the_checkpointing_policy_is_parsed_once_and_carried_typed() -> None:
     dumped = cfg.model_dump(mode="json", by_alias=True)
     assert dumped["distributed"]["activation_checkpointing"] == {"mode": "full", "every_n_layers": 2}
     assert validate_recipe(dumped).distributed.activation_checkpointing == policy  # a saved config reloads
+
+
+@pytest.mark.parametrize(("key", "value", "allowed"), [
+    ("lr", -1e-4, "a positive finite number"),
+    ("lr", float("inf"), "a positive finite number"),
+    ("lr", "fast", "a positive finite number"),
+    ("eps", 0, "a positive finite number"),
+    ("weight_decay", -0.1, "a finite number >= 0"),
+    ("betas", [0.9], r"two numbers in \[0, 1\)"),
+    ("betas", [0.9, 1.5], r"two numbers in \[0, 1\)"),
+])
+def test_optimizer_hyperparameters_are_checked_when_the_recipe_is_read(key: str, value: Any, allowed: str) -> None:
+    with pytest.raises(ConfigError, match=rf"optimizer\.{key}: got .*; allowed: {allowed}"):
+        validate_recipe(with_(f"optimizer.{key}", value))
+
+
+def test_good_optimizer_hyperparameters_pass() -> None:
+    cfg = validate_recipe(with_("optimizer", {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}))
+    assert cfg.optimizer.kwargs["betas"] == [0.9, 0.95]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**70])
+def test_a_seed_outside_what_the_generators_take_is_one_line(seed: int) -> None:
+    with pytest.raises(ConfigError, match=r"seed: Input should be"):
+        validate_recipe(with_("seed", seed))

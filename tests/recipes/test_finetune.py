@@ -201,9 +201,10 @@ def test_a_diverged_step_stops_the_run_and_saves_nothing(tmp_path: Path) -> None
             with torch.no_grad():
                 next(job.model.parameters()).fill_(float("nan"))
 
-    with pytest.raises(TrainingDivergedError, match=r"step 4: loss nan and grad_norm nan: training diverged, so the "
-                                                     r"run stops without saving this state \(the last good checkpoint "
-                                                     r"is .*step_2\)"):
+    with pytest.raises(TrainingDivergedError, match=r"step 4: loss nan and grad_norm nan: training diverged "
+                                                     r"\(training.on_nonfinite: stop\); the update was not applied and "
+                                                     r"the run stops without saving \(the last good checkpoint is "
+                                                     r".*step_2\)"):
         run(recipe, callbacks=[poison])
     # Nothing new was saved from the broken weights, and the good checkpoint was not pruned.
     assert sorted(p.name for p in good.checkpoint_dir.iterdir()) == saved

@@ -73,3 +73,20 @@ def test_malformed_overrides(args: list[str], message: str) -> None:
 def test_override_below_a_scalar_is_refused() -> None:
     with pytest.raises(ConfigError, match="'seed' is 1, not a section"):
         apply_overrides({"seed": 1}, [("seed.value", 2)])
+
+
+def test_text_keys_keep_the_value_as_written(recipe: Path) -> None:
+    cfg = load_recipe(recipe, ["--output_dir", "20240101", "--checkpoint.checkpoint_dir=007",
+                               "--step_scheduler.max_steps", "12"])
+    assert cfg.output_dir == "20240101"
+    assert cfg.checkpoint.checkpoint_dir == "007"  # not the number 7
+    assert cfg.step_scheduler.max_steps == 12  # numeric keys are still read as YAML
+    cfg = load_recipe(recipe, ["--model.preset", "null", "--model.pretrained_model_name_or_path", str(recipe.parent)])
+    assert cfg.model.preset is None  # null unsets a text key
+
+
+def test_a_number_in_a_text_key_of_the_file_says_to_quote_it(tmp_path: Path) -> None:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE + "output_dir: 20240101\n")
+    with pytest.raises(ConfigError, match=r"output_dir: expected text, got the number 20240101; write it in quotes"):
+        load_recipe(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -294,11 +295,14 @@ def test_loading_into_a_different_kind_of_model_or_optimizer_is_refused(tmp_path
                        .model.layers[0].mlp.down_proj.weight)  # nothing was half-copied
 
 
-def test_checkpoint_files_are_listed_with_their_sizes(tmp_path: Path) -> None:
+def test_checkpoint_files_are_listed_with_their_sizes_and_hashes(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, 1, model=_model(0), train_state={})
     marker = json.loads((path / COMPLETE_MARKER).read_text())
-    assert marker["step"] == 1 and marker["peft"] is False and marker["format"] == 1
-    assert marker["files"]["model/model.safetensors"] == os.path.getsize(path / "model" / "model.safetensors")
+    assert marker["step"] == 1 and marker["peft"] is False and marker["format"] == 2
+    weights = path / "model" / "model.safetensors"
+    assert marker["files"]["model/model.safetensors"] == {
+        "size": os.path.getsize(weights), "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    assert COMPLETE_MARKER not in marker["files"] and "train_state.json" in marker["files"]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing torch._dynamo warns about torch.jit
@@ -326,3 +330,34 @@ def test_the_store_follows_the_strategy_and_the_saved_layout(tmp_path: Path) -> 
     assert isinstance(state_store(fsdp2), ShardedState)
     with pytest.raises(ConfigError, match="checkpoint.resume: .* fsdp2 cannot resume"):
         store_for_saved(path, fsdp2)
+
+
+def test_pruning_keeps_the_newest_checkpoint_that_verifies(tmp_path: Path) -> None:
+    from remat.recipes.training_state.layout import prune
+    from remat.recipes.training_state.verify import verify_checkpoint
+
+    model = _model(0)
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, model=model, train_state={"step": step}, keep_last=None)
+    weights = tmp_path / "step_4" / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))  # same size: complete, but does not verify
+    assert verify_checkpoint(tmp_path / "step_4") is not None
+    # A run that fell back to step_2 saves step_3: that one verifies and survives any keep_last.
+    resumed = save_checkpoint(tmp_path, 3, model=model, train_state={"step": 3}, keep_last=1)
+    assert verify_checkpoint(resumed) is None
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3"]
+    # Asked to keep a checkpoint that is not complete, pruning deletes nothing.
+    save_checkpoint(tmp_path, 5, model=model, train_state={"step": 5}, keep_last=None)
+    (tmp_path / "step_5" / COMPLETE_MARKER).unlink()
+    prune(tmp_path, 1, keep=tmp_path / "step_5")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3"] and (tmp_path / "step_5").is_dir()
+
+
+def test_rng_state_loads_with_weights_only(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, 1, model=_model(0), train_state={})
+    state = torch.load(path / "rng_state.pt", weights_only=True)
+    assert set(state) >= {"torch", "python", "numpy"}
+    sources = [p.read_text() for p in Path(single_file_state.__file__).parent.glob("*.py")]
+    assert all("weights_only=False" not in text for text in sources)

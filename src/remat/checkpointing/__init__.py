@@ -5,26 +5,33 @@ Start with `apply_activation_checkpointing(model, policy)`; it returns a `Checkp
 
 from __future__ import annotations
 
-from remat.checkpointing.apply import apply_activation_checkpointing, is_checkpointed, remove_activation_checkpointing
-from remat.checkpointing.discovery import (
-    Block,
-    BlockSearch,
-    find_attention,
-    find_blocks,
-    find_decoder,
-    find_mlp,
-    is_moe_block,
-    kv_sharing_role,
-)
-from remat.checkpointing.plan import CheckpointingWarning, CheckpointPlan, LayerPlan
-from remat.checkpointing.policy import (
-    MODES,
-    POLICY_KEYS,
-    POLICY_STRINGS,
-    CheckpointPolicy,
-    LayerOverride,
-    parse_policy,
-)
+from typing import TYPE_CHECKING
+
+from remat._lazy import lazy_exports
+
+# Imported on first use (remat._lazy), so that light submodules load without torch.
+_EXPORTS: dict[str, str] = {
+    "apply_activation_checkpointing": "remat.checkpointing.apply",
+    "is_checkpointed": "remat.checkpointing.apply",
+    "remove_activation_checkpointing": "remat.checkpointing.apply",
+    "Block": "remat.checkpointing.discovery",
+    "BlockSearch": "remat.checkpointing.discovery",
+    "find_attention": "remat.checkpointing.discovery",
+    "find_blocks": "remat.checkpointing.discovery",
+    "find_decoder": "remat.checkpointing.discovery",
+    "find_mlp": "remat.checkpointing.discovery",
+    "is_moe_block": "remat.checkpointing.discovery",
+    "kv_sharing_role": "remat.checkpointing.discovery",
+    "CheckpointingWarning": "remat.checkpointing.plan",
+    "CheckpointPlan": "remat.checkpointing.plan",
+    "LayerPlan": "remat.checkpointing.plan",
+    "MODES": "remat.checkpointing.policy",
+    "POLICY_KEYS": "remat.checkpointing.policy",
+    "POLICY_STRINGS": "remat.checkpointing.policy",
+    "CheckpointPolicy": "remat.checkpointing.policy",
+    "LayerOverride": "remat.checkpointing.policy",
+    "parse_policy": "remat.checkpointing.policy",
+}
 
 __all__ = [
     "MODES",
@@ -48,3 +55,27 @@ __all__ = [
     "parse_policy",
     "remove_activation_checkpointing",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from remat.checkpointing.apply import apply_activation_checkpointing, is_checkpointed, remove_activation_checkpointing
+    from remat.checkpointing.discovery import (
+        Block,
+        BlockSearch,
+        find_attention,
+        find_blocks,
+        find_decoder,
+        find_mlp,
+        is_moe_block,
+        kv_sharing_role,
+    )
+    from remat.checkpointing.plan import CheckpointingWarning, CheckpointPlan, LayerPlan
+    from remat.checkpointing.policy import (
+        MODES,
+        POLICY_KEYS,
+        POLICY_STRINGS,
+        CheckpointPolicy,
+        LayerOverride,
+        parse_policy,
+    )

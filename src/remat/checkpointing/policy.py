@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Final, Literal, cast, get_args
+from typing import Any, Final, Literal, Protocol, cast, get_args
 
 from remat.errors import ConfigError
 
@@ -24,6 +24,8 @@ Mode = Literal["full", "none", "selective", "attention", "mlp", "offload"]
 MODES: Final[tuple[str, ...]] = get_args(Mode)
 #: Strings accepted as a whole policy: the modes plus ``sqrt`` (full checkpointing in segments of ~sqrt(L) blocks).
 POLICY_STRINGS: Final[tuple[str, ...]] = (*MODES, "sqrt")
+#: The value asking the planner (`remat.planner`) to choose a per-layer policy under a memory budget.
+AUTO: Final[str] = "auto"
 #: Keys of a policy mapping.
 POLICY_KEYS: Final[tuple[str, ...]] = ("mode", "every_n_layers", "segments", "offload", "layers", "block_pattern")
 #: Keys of one entry of ``layers`` when it is a mapping.
@@ -141,21 +143,36 @@ class CheckpointPolicy:
         return ", ".join(parts)
 
 
-PolicyLike = CheckpointPolicy | bool | str | Mapping[str, Any] | None
+class CarriesPolicy(Protocol):
+    """A value that carries a policy, e.g. the planner's `remat.planner.ActivationPlan`."""
+
+    @property
+    def checkpoint_policy(self) -> CheckpointPolicy: ...
+
+
+PolicyLike = CheckpointPolicy | CarriesPolicy | bool | str | Mapping[str, Any] | None
 
 
 def parse_policy(value: PolicyLike, *, key: str = "policy") -> CheckpointPolicy:
     """Turn any accepted spelling of a policy into a `CheckpointPolicy`, or raise `ConfigError` naming ``key``.
 
-    Accepted: a `CheckpointPolicy`; ``True`` (full) / ``False`` / ``None`` (none); one of the strings in
+    Accepted: a `CheckpointPolicy`, or an object carrying one as ``checkpoint_policy`` (the planner's
+    `remat.planner.ActivationPlan`); ``True`` (full) / ``False`` / ``None`` (none); one of the strings in
     `POLICY_STRINGS`; a mapping with keys from `POLICY_KEYS`, e.g. ``{"mode": "full", "every_n_layers": 2}`` or
     ``{"mode": "selective", "layers": {"0-3": "full", "7": "none"}}``.
     """
     if isinstance(value, CheckpointPolicy):
         return value
+    planned = getattr(value, "checkpoint_policy", None)
+    if isinstance(planned, CheckpointPolicy):  # a plan that carries its policy (`remat.planner.ActivationPlan`)
+        return planned
     if value is None or isinstance(value, bool):
         return _build(key, mode="full" if value else "none")
     if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            raise ConfigError(f"{key}: 'auto' is chosen by the planner before anything is built: `remat finetune` "
+                              "and `remat plan` resolve it in a recipe (with distributed.memory_budget); in Python "
+                              "call remat.plan_activation_checkpointing(...) and pass its plan here")
         return _build(key, **_parse_string(value, key))
     if isinstance(value, Mapping):
         return _build(key, **_parse_mapping(value, key))

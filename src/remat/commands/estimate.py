@@ -46,10 +46,9 @@ _FLAGS: tuple[tuple[str, str], ...] = (
 def register(subparsers: Any) -> None:
     from typing import get_args
 
-    from remat.distributed import MIXED_PRECISION, STRATEGIES
-    from remat.estimate.settings import LOSS_TARGETS
-    from remat.estimate.simulate import TARGETS
-    from remat.models import preset_names
+    from remat.distributed.choices import MIXED_PRECISION, STRATEGIES
+    from remat.estimate.choices import LOSS_TARGETS, TARGETS
+    from remat.models.presets import preset_names
     from remat.models.config import AutocastDtype, ParamDtype
 
     parser = subparsers.add_parser(
@@ -84,16 +83,21 @@ def register(subparsers: Any) -> None:
                      help="one row per setting: none/selective/full x plain/fused, plus each --setting")
     out.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE[,...]",
                      help="an extra --compare row, or (once, without --compare) an adjustment of the estimate")
-    out.add_argument("--fits", metavar="SIZE", help="device memory to check against, e.g. 80GiB or 24GB")
+    out.add_argument("--fits", metavar="SIZE",
+                     help="device memory to check against, e.g. 80GiB, 80G (= GiB) or 24GB (10^9 bytes)")
     out.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
     out.add_argument("--plot", metavar="PATH", help="write a PNG chart of the breakdown per setting")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from remat.errors import ConfigError
     from remat.estimate.api import estimate_memory
     from remat.estimate.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
 
     capacity = parse_capacity(args.fits) if args.fits else None
+    for flag, value in (("--json", args.json), ("--plot", args.plot)):
+        if value:
+            _check_output_path(flag, Path(value))
     model, base = _base(args, overrides)
     rows = _rows(args, base)
     estimates = []
@@ -109,12 +113,31 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.json:
         payload: Any = [e.to_dict() for e in estimates] if args.compare else estimates[0].to_dict()
         path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(payload, indent=2) + "\n")
+        except OSError as err:
+            raise ConfigError(f"--json: cannot write {str(path)!r}: {err.strerror or err}") from err
         logger.info("wrote %s", path)
     if args.plot:
         logger.info("wrote %s", plot_breakdowns(estimates, args.plot, capacity_bytes=capacity))
     return 0
+
+
+def _check_output_path(flag: str, path: Path) -> None:
+    """Refuse, before the estimate runs, an output path that is a directory or lies under a file (missing parent
+    directories are created when the file is written)."""
+    from remat.errors import ConfigError
+
+    if path.is_dir():
+        raise ConfigError(f"{flag}: {str(path)!r} is a directory; allowed: a file path (e.g. {path / 'estimate'}"
+                          f"{'.png' if flag == '--plot' else '.json'})")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag}: {str(path)!r} lies under {str(parent)!r}, which is a file; allowed: a path "
+                                  "under a directory")
+            break
 
 
 def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:

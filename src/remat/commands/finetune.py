@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import types
 from typing import Any
 
 from pydantic import BaseModel
 
 NAME = "finetune"
+
+logger = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Fine-tune a causal LM from a YAML recipe. Any recipe key can be overridden on the command line with its dotted
@@ -38,23 +41,35 @@ def register(subparsers: Any) -> None:
     parser.add_argument("recipe", help="path of the YAML recipe (see examples/ and docs/recipes.md)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the validated recipe with every default filled in, then exit")
+    parser.add_argument("--restart", action="store_true",
+                        help="start over at step 0: move the checkpoints already in checkpoint_dir into "
+                             "checkpoint_dir/.superseded-<time>/ (nothing is deleted); same as "
+                             "--checkpoint.resume restart. For one invocation: a requeued job must not repeat it")
     add_launch_arguments(parser)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    import yaml
+    from remat.distributed.launch import LaunchOptions
+    from remat.recipes.loader import asks_for_auto, load_recipe_data, validate_recipe
+
+    options = LaunchOptions.from_namespace(args)
+    options.check()  # impossible launcher values are refused before anything is read or started
+    overrides = restart_overrides(overrides) if args.restart else list(overrides)
+    data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
+    planned = asks_for_auto(data)
+    cfg = None if planned else validate_recipe(data)
+    if cfg is not None and args.print_config:
+        return _print_config(cfg)
 
     from remat.distributed.env import ProcessEnv, check_cuda_devices
-    from remat.distributed.launch import LaunchOptions, check_launch_environment, launch
+    from remat.distributed.launch import check_launch_environment, launch
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
-    from remat.recipes.loader import load_recipe
     from remat.recipes.run_lock import refuse_if_held, run_directories
 
-    cfg = load_recipe(args.recipe, overrides)
-    if args.print_config:
-        print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
-        return 0
-    options = LaunchOptions.from_namespace(args)
+    if cfg is None:
+        cfg, overrides = _planned_recipe(args.recipe, overrides, options)
+        if args.print_config:
+            return _print_config(cfg)
     if check_launch_environment(options):
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
@@ -62,16 +77,78 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         refuse_if_held(run_directories(cfg))  # another run writes there: refused before starting workers
         if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
             check_cuda_devices(int(options.nproc_per_node or "1"))
+        if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
+            overrides = restart_before_launch(cfg, options.node_rank, overrides)
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
         return launch(options, worker)
-    if ProcessEnv.from_environ().rank != 0:  # only rank 0 reports; the others say only what goes wrong
+    process = ProcessEnv.from_environ()
+    if process.rank != 0:  # only rank 0 reports; the others say only what goes wrong
         logging.getLogger("remat").setLevel(logging.WARNING)
+    note = single_process_note(cfg.distributed.strategy, process.world_size, args.recipe)
+    if note is not None:
+        logging.getLogger(__name__).warning(note)
     recipe = FinetuneRecipe(cfg)
     try:
         result = recipe.run()
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+def _print_config(cfg: Any) -> int:
+    import yaml
+
+    print(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
+    return 0
+
+
+def single_process_note(strategy: str, world_size: int, recipe: str) -> str | None:
+    """The warning for a ddp / fsdp2 recipe started as one process (allowed: it runs, but shards nothing)."""
+    if strategy == "single" or world_size > 1:
+        return None
+    return (f"distributed.strategy is {strategy!r} but this is one process, so nothing is sharded or replicated; "
+            f"to use several: remat finetune {recipe} --nproc-per-node N (or strategy 'single' to silence this)")
+
+
+def restart_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` with ``checkpoint.resume`` set to ``restart`` (what ``--restart`` means); ConfigError when they
+    already set ``checkpoint.resume`` to something else."""
+    from remat.errors import ConfigError
+    from remat.recipes.loader import parse_overrides
+
+    given = [value for key, value in parse_overrides(overrides) if key == "checkpoint.resume"]
+    if given and given[-1] != "restart":
+        raise ConfigError(f"--restart: conflicts with --checkpoint.resume {given[-1]}; give one of them")
+    return [*overrides, "--checkpoint.resume", "restart"]
+
+
+def restart_before_launch(cfg: Any, node_rank: int | None, overrides: list[str]) -> list[str]:
+    """Move the checkpoints aside once, here in the launcher (node 0), and let the workers resume ``auto``: workers
+    that torchrun restarts after a failure (``--max-restarts``) then continue from the new checkpoints instead of
+    moving them aside again."""
+    from remat.recipes.finetune import checkpoint_directory
+    from remat.recipes.training_state.verify import supersede_checkpoints
+
+    if not node_rank:
+        supersede_checkpoints(checkpoint_directory(cfg))
+    return [*overrides, "--checkpoint.resume", "auto"]
+
+
+def _planned_recipe(path: str, overrides: list[str], options: Any) -> tuple[Any, list[str]]:
+    """The recipe, with ``distributed.activation_checkpointing: auto`` resolved by the planner into a per-layer
+    policy (planned once, here; worker processes get the chosen policy as an override), and the overrides."""
+    import json
+    import os
+
+    from remat.planner import load_planned_recipe
+
+    world_size = options.num_processes() if options.requested else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg, plan = load_planned_recipe(path, overrides, world_size=world_size)
+    if plan is None:
+        return cfg, overrides
+    logger.info("activation checkpointing 'auto' planned for %.2f GiB:\n%s", plan.budget_bytes / 2**30,
+                plan.table(candidates=False))
+    return cfg, [*overrides, "--distributed.activation_checkpointing", json.dumps(plan.policy.to_dict())]
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -85,12 +162,47 @@ def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:
             lines.append(f"  {key}:" + ("  (optional section)" if optional else ""))
             lines.extend(schema_lines(nested, key + "."))
             continue
-        type_name = str(info.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-        default = "required" if info.is_required() else f"default {info.get_default(call_default_factory=True)!r}"
-        lines.append(f"  {key}  [{type_name}]  {default}")
+        default = "required" if info.is_required() else f"default {_show(info.get_default(call_default_factory=True))}"
+        lines.append(f"  {key}  [{type_label(info.annotation)}]  {default}")
         if model.model_config.get("extra") == "allow" and name == "target":
             lines.append(f"  {prefix}<argument>  other keys are keyword arguments of the _target_")
     return lines
+
+
+def type_label(annotation: Any) -> str:
+    """A recipe key's type as a person reads it: ``int > 0 or null``, ``one of cosine | linear | constant``."""
+    from typing import Annotated, Literal, Union, get_args, get_origin
+
+    from remat.checkpointing.policy import POLICY_STRINGS, CheckpointPolicy
+
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation is CheckpointPolicy:
+        return f"true | false | {' | '.join(POLICY_STRINGS)} | a mapping (see docs/recipes.md)"
+    if origin is Literal:
+        return "one of " + " | ".join(str(a) for a in args)
+    if origin is Annotated:
+        bounds = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+        limits = [f"{sign} {getattr(meta, name)}" for meta in args[1:] for name, sign in bounds.items()
+                  if getattr(meta, name, None) is not None]
+        return " ".join([type_label(args[0]), *limits])
+    if origin in (Union, types.UnionType):
+        kept = [type_label(a) for a in args if a is not type(None)]
+        return " or ".join(kept) + (" or null" if type(None) in args else "")
+    if origin in (list, tuple):
+        return f"list of {type_label(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _show(default: Any) -> str:
+    if default is None or isinstance(default, bool):  # as YAML writes them
+        return {None: "null", True: "true", False: "false"}[default]
+    to_dict = getattr(default, "to_dict", None)
+    if callable(to_dict):  # a CheckpointPolicy: the spelling a recipe would use
+        value = to_dict()
+        return repr(value.get("mode", value) if len(value) == 1 else value)
+    return repr(default)
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:

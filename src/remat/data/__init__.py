@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from remat.data.config import DatasetConfig, TokenizerConfig
-from remat.data.dataset import TokenizedDataset, build_dataset
-from remat.data.loader import StatefulBatchIterator
-from remat.data.packing import IGNORE_INDEX
-from remat.data.tokenizer import build_tokenizer
+from typing import TYPE_CHECKING
+
+from remat._lazy import lazy_exports
+
+# Imported on first use (remat._lazy), so that light submodules load without torch.
+_EXPORTS: dict[str, str] = {
+    "DatasetConfig": "remat.data.config",
+    "TokenizerConfig": "remat.data.config",
+    "TokenizedDataset": "remat.data.dataset",
+    "build_dataset": "remat.data.dataset",
+    "StatefulBatchIterator": "remat.data.loader",
+    "IGNORE_INDEX": "remat.data.packing",
+    "build_tokenizer": "remat.data.tokenizer",
+}
 
 __all__ = [
     "IGNORE_INDEX",
@@ -17,3 +26,12 @@ __all__ = [
     "build_dataset",
     "build_tokenizer",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from remat.data.config import DatasetConfig, TokenizerConfig
+    from remat.data.dataset import TokenizedDataset, build_dataset
+    from remat.data.loader import StatefulBatchIterator
+    from remat.data.packing import IGNORE_INDEX
+    from remat.data.tokenizer import build_tokenizer

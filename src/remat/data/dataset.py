@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -11,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from remat.data.config import DatasetConfig
 from remat.data.formats import detect_format, encode_rows
 from remat.data.packing import IGNORE_INDEX, Rows, pack_documents, pad_documents, rows_with_targets
-from remat.data.sources import read_rows
+from remat.data.sources import iter_rows, no_rows_message
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -98,9 +99,15 @@ def build_dataset(
             f"{key_prefix}.format: the builtin corpus (no {key_prefix}.path) is plain text; got {cfg.format!r}, "
             "allowed 'auto' or 'text'"
         )
-    raw_rows = read_rows(cfg, default_split=default_split, key_prefix=key_prefix)
-    fmt = detect_format(cfg, raw_rows[0], key_prefix=key_prefix)
-    documents = encode_rows(raw_rows, fmt, cfg, tokenizer, key_prefix=key_prefix)
+    raw_rows = iter_rows(cfg, default_split=default_split, key_prefix=key_prefix)
+    first = next(raw_rows, None)
+    if first is None:
+        raise ConfigError(no_rows_message(cfg, key_prefix))
+    fmt = detect_format(cfg, first, key_prefix=key_prefix)
+    # Rows stream into the encoder, which holds one group of them at a time: no reference to the first stays here.
+    rows_in = itertools.chain((first,), raw_rows)
+    del first
+    documents = encode_rows(rows_in, fmt, cfg, tokenizer, key_prefix=key_prefix)
     rows = _cut(documents, cfg, tokenizer, key_prefix)
     has_targets = rows_with_targets(rows.tensors)
     if not bool(has_targets.any()):

@@ -11,26 +11,32 @@ end (same rule; it is a target exactly when the token before it is).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from remat.data.config import DatasetConfig
+from remat.data.encode import GROUP_CHARS, GROUP_TEXTS, encode_texts
 from remat.data.sources import RawRow
 from remat.errors import ConfigError
 
-_ENCODE_CHUNK = 1024
-
-
 @dataclass
 class EncodedDocument:
-    """Token ids of one document and, per token, whether it is a loss target."""
+    """Token ids of one document (int32) and, per token, whether it is a loss target (bool); lists are converted."""
 
-    input_ids: list[int]
-    loss_mask: list[bool]
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
+        if self.input_ids.shape != self.loss_mask.shape or self.input_ids.ndim != 1:
+            raise ValueError(f"ids and mask must be equal 1-d arrays; got {self.input_ids.shape} and "
+                             f"{self.loss_mask.shape}")
 
 
 def format_fields(cfg: DatasetConfig) -> dict[str, tuple[str, ...]]:
@@ -101,33 +107,11 @@ def _messages_field(row: RawRow, cfg: DatasetConfig, key_prefix: str) -> list[di
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), _ENCODE_CHUNK):
-        yield items[start : start + _ENCODE_CHUNK]
-
-
-def _encode(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
-    ids: list[list[int]] = []
-    for chunk in _chunks(texts):
-        ids.extend(tokenizer(list(chunk), add_special_tokens=False)["input_ids"])
-    return ids
-
-
-def _encode_with_offsets(
-    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]
-) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    out: list[tuple[list[int], list[tuple[int, int]]]] = []
-    for chunk in _chunks(texts):
-        encoded = tokenizer(list(chunk), add_special_tokens=False, return_offsets_mapping=True)
-        out.extend(zip(encoded["input_ids"], encoded["offset_mapping"], strict=True))
-    return out
-
-
 def _encode_text(
     rows: Sequence[RawRow], cfg: DatasetConfig, tok: PreTrainedTokenizerBase, kp: str
 ) -> list[EncodedDocument]:
     texts = [_string_field(row, cfg.text_field, "text", cfg, kp) for row in rows]
-    return [EncodedDocument(ids, [True] * len(ids)) for ids in _encode(tok, texts)]
+    return [EncodedDocument(e.ids, np.ones(len(e.ids), dtype=bool)) for e in encode_texts(tok, texts)]
 
 
 def _encode_prompt_completion(
@@ -136,8 +120,9 @@ def _encode_prompt_completion(
     prompts = [_string_field(row, cfg.prompt_field, "prompt_completion", cfg, kp) for row in rows]
     completions = [_string_field(row, cfg.completion_field, "prompt_completion", cfg, kp) for row in rows]
     return [
-        EncodedDocument(p + c, [False] * len(p) + [True] * len(c))
-        for p, c in zip(_encode(tok, prompts), _encode(tok, completions), strict=True)
+        EncodedDocument(np.concatenate([p.ids, c.ids]),
+                        np.concatenate([np.zeros(len(p.ids), dtype=bool), np.ones(len(c.ids), dtype=bool)]))
+        for p, c in zip(encode_texts(tok, prompts), encode_texts(tok, completions), strict=True)
     ]
 
 
@@ -194,11 +179,14 @@ def _encode_messages(
         )
     rendered = [assistant_spans(tok, _messages_field(row, cfg, kp), where=row.where, key_prefix=kp) for row in rows]
     documents = []
-    for (_, spans), (ids, offsets) in zip(
-        rendered, _encode_with_offsets(tok, [text for text, _ in rendered]), strict=True
-    ):
-        mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
-        documents.append(EncodedDocument(list(ids), mask))
+    for (_, spans), encoded in zip(rendered, encode_texts(tok, [text for text, _ in rendered], offsets=True),
+                                   strict=True):
+        starts = encoded.starts
+        assert starts is not None  # offsets=True
+        mask = np.zeros(len(starts), dtype=bool)
+        for lo, hi in spans:
+            mask |= (starts >= lo) & (starts < hi)
+        documents.append(EncodedDocument(encoded.ids, mask))
     return documents
 
 
@@ -207,27 +195,52 @@ _ENCODERS = {"text": _encode_text, "prompt_completion": _encode_prompt_completio
 
 def add_document_specials(document: EncodedDocument, tokenizer: PreTrainedTokenizerBase) -> EncodedDocument:
     """BOS in front (never a target) and EOS at the end (a target iff the token before it is), unless present."""
-    ids, mask = list(document.input_ids), list(document.loss_mask)
+    ids, mask = document.input_ids, document.loss_mask.copy()
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    if bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
-        mask.insert(0, False)
-    elif ids and ids[0] == bos:
+    head: list[tuple[int, bool]] = []
+    tail: list[tuple[int, bool]] = []
+    if bos is not None and (not len(ids) or ids[0] != bos):
+        head.append((bos, False))
+    elif len(ids) and ids[0] == bos:
         mask[0] = False
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids.append(eos)
-        mask.append(bool(mask) and mask[-1])
-    return EncodedDocument(ids, mask)
+    if eos is not None and (not len(ids) or ids[-1] != eos):
+        tail.append((eos, bool(len(mask)) and bool(mask[-1])))
+    if not head and not tail:
+        return EncodedDocument(ids, mask)
+    return EncodedDocument(
+        np.concatenate([np.array([i for i, _ in head], np.int32), ids, np.array([i for i, _ in tail], np.int32)]),
+        np.concatenate([np.array([m for _, m in head], bool), mask, np.array([m for _, m in tail], bool)]),
+    )
+
+
+def _row_groups(rows: Iterable[RawRow]) -> Iterator[list[RawRow]]:
+    """`rows` in groups of at most `GROUP_TEXTS` rows and about `GROUP_CHARS` characters of string fields, so that
+    only one group's raw text is held while it is encoded."""
+    group: list[RawRow] = []
+    chars = 0
+    for row in rows:
+        group.append(row)
+        chars += sum(len(value) for value in row.data.values() if isinstance(value, str))
+        if chars >= GROUP_CHARS or len(group) >= GROUP_TEXTS:
+            yield group
+            group, chars = [], 0
+    if group:
+        yield group
 
 
 def encode_rows(
-    rows: Sequence[RawRow],
+    rows: Iterable[RawRow],
     fmt: str,
     cfg: DatasetConfig,
     tokenizer: PreTrainedTokenizerBase,
     *,
     key_prefix: str = "dataset",
 ) -> list[EncodedDocument]:
-    """Tokenize `rows` in format `fmt` (batch-encoded) and frame each document with BOS/EOS."""
-    encoded = _ENCODERS[fmt](rows, cfg, tokenizer, key_prefix)
-    return [add_document_specials(document, tokenizer) for document in encoded]
+    """Tokenize `rows` in format `fmt` and frame each document with BOS/EOS. Rows are consumed a group at a time and
+    long texts are tokenized in pieces (`remat.data.encode`), so memory stays near the size of the token ids."""
+    documents: list[EncodedDocument] = []
+    for group in _row_groups(rows):
+        encoded = _ENCODERS[fmt](group, cfg, tokenizer, key_prefix)
+        group.clear()
+        documents.extend(add_document_specials(document, tokenizer) for document in encoded)
+    return documents

@@ -12,10 +12,10 @@ Padded rows: each document is truncated to `seq_length`, then padded; padding ha
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from remat.data.formats import EncodedDocument
@@ -32,32 +32,47 @@ class Rows:
     truncated_documents: int = 0
 
 
-def _flatten(documents: Sequence[EncodedDocument]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ids = torch.tensor(list(itertools.chain.from_iterable(d.input_ids for d in documents)), dtype=torch.long)
-    mask = torch.tensor(list(itertools.chain.from_iterable(d.loss_mask for d in documents)), dtype=torch.bool)
-    lengths = torch.tensor([len(d.input_ids) for d in documents], dtype=torch.long)
-    starts = (torch.cumsum(lengths, 0) - lengths)[lengths > 0]
-    doc_start = torch.zeros(ids.numel(), dtype=torch.bool)
-    doc_start[starts] = True
-    return ids, mask, doc_start
+def _concatenate(arrays: Sequence[np.ndarray], dtype: type, total: int) -> np.ndarray:
+    """The first `total` elements of `arrays` end to end, written into one array of `dtype` (no intermediate)."""
+    out = np.empty(total, dtype=dtype)
+    at = 0
+    for array in arrays:
+        take = min(len(array), total - at)
+        out[at : at + take] = array[:take]
+        at += take
+        if at == total:
+            break
+    return out
 
 
 def pack_documents(documents: Sequence[EncodedDocument], seq_length: int) -> Rows:
-    """Concatenate `documents` and cut them into rows of exactly `seq_length` tokens (see the module docstring)."""
-    ids, mask, doc_start = _flatten(documents)
-    total = ids.numel()
+    """Concatenate `documents` and cut them into rows of exactly `seq_length` tokens (see the module docstring).
+
+    Works in numpy on the kept tokens with one int64 array per output and one scratch array (about 32 bytes a token
+    at the peak, besides the documents), then hands the arrays to torch without copying."""
+    lengths = np.fromiter((len(d.input_ids) for d in documents), np.int64, len(documents))
+    total = int(lengths.sum())
     num_rows = total // seq_length
     kept = num_rows * seq_length
-    ids, mask, doc_start = ids[:kept], mask[:kept], doc_start[:kept]
-    index = torch.arange(kept)
-    row_start = index % seq_length == 0
-    segment_anchor = torch.where(doc_start | row_start, index, torch.zeros_like(index)).cummax(0).values
-    labels = torch.where(mask, ids, torch.full_like(ids, IGNORE_INDEX))
-    labels[doc_start & ~row_start] = IGNORE_INDEX
+    ids = _concatenate([d.input_ids for d in documents], np.int64, kept)
+    labels = ids.copy()
+    labels[~_concatenate([d.loss_mask for d in documents], np.bool_, kept)] = IGNORE_INDEX
+    starts = (np.cumsum(lengths) - lengths)[lengths > 0]
+    starts = starts[starts < kept]
+    inside = starts[starts % seq_length != 0]
+    labels[inside] = IGNORE_INDEX  # a document starting inside a row is not predicted from the one before it
+    # position = index - the last segment start at or before it (a document start, or a row start).
+    anchor = np.zeros(kept, dtype=np.int64)
+    anchor[::seq_length] = np.arange(0, kept, seq_length)
+    anchor[inside] = inside
+    np.maximum.accumulate(anchor, out=anchor)
+    positions = np.arange(kept, dtype=np.int64)
+    positions -= anchor
+    del anchor
     tensors = {
-        "input_ids": ids.view(num_rows, seq_length),
-        "labels": labels.view(num_rows, seq_length),
-        "position_ids": (index - segment_anchor).view(num_rows, seq_length),
+        "input_ids": torch.from_numpy(ids).view(num_rows, seq_length),
+        "labels": torch.from_numpy(labels).view(num_rows, seq_length),
+        "position_ids": torch.from_numpy(positions).view(num_rows, seq_length),
     }
     return Rows(tensors, dropped_tail_tokens=total - kept)
 
@@ -72,8 +87,8 @@ def pad_documents(documents: Sequence[EncodedDocument], seq_length: int, pad_tok
     for row, document in enumerate(documents):
         length = min(len(document.input_ids), seq_length)
         truncated += len(document.input_ids) > seq_length
-        ids = torch.tensor(document.input_ids[:length], dtype=torch.long)
-        mask = torch.tensor(document.loss_mask[:length], dtype=torch.bool)
+        ids = torch.from_numpy(document.input_ids[:length].astype(np.int64))
+        mask = torch.from_numpy(document.loss_mask[:length].copy())
         input_ids[row, :length] = ids
         labels[row, :length] = torch.where(mask, ids, torch.full_like(ids, IGNORE_INDEX))
         attention_mask[row, :length] = 1

@@ -33,15 +33,22 @@ def _is_hf_dataset_dir(path: Path) -> bool:
 
 
 def _read_jsonl(path: Path, key: str) -> Iterator[RawRow]:
-    with path.open("r", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # bytes, decoded per line, so that a non-UTF-8 line is named
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{key}: {where} is not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                  f"{exc.start + 1}); JSON lines files are UTF-8") from None
+            del raw
             if not line.strip():
                 continue
-            where = f"{path} line {number}"
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{key}: {where} is not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            del line  # a long line is not held twice (as the line and as the parsed string) while the row is used
             if not isinstance(data, dict):
                 raise ConfigError(f"{key}: {where} must be a JSON object, got {type(data).__name__}")
             yield RawRow(data, where)
@@ -99,8 +106,9 @@ def _rows_of_path(raw: str, cfg: DatasetConfig, split: str, key_prefix: str, key
         raise ConfigError(f"{key}: {raw!r} is not a {_JSONL_SUFFIX} file; expected {allowed}")
 
 
-def read_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: str = "dataset") -> list[RawRow]:
-    """All rows the config names, in order, cut to `cfg.max_samples`; the builtin corpus yields `{"text": ...}`."""
+def iter_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: str = "dataset") -> Iterator[RawRow]:
+    """The rows the config names, in order, read lazily and cut to `cfg.max_samples`; the builtin corpus yields
+    `{"text": ...}`."""
     split = cfg.split if cfg.split is not None else default_split
     paths = cfg.paths
     if paths is None:
@@ -118,7 +126,17 @@ def read_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: s
         rows = itertools.chain.from_iterable(
             _rows_of_path(raw, cfg, split, key_prefix, key) for raw, key in zip(paths, keys, strict=True)
         )
-    selected = list(itertools.islice(rows, cfg.max_samples))
+    return itertools.islice(rows, cfg.max_samples)
+
+
+def read_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: str = "dataset") -> list[RawRow]:
+    """All rows of `iter_rows` in a list; a source without rows is a ConfigError."""
+    selected = list(iter_rows(cfg, default_split=default_split, key_prefix=key_prefix))
     if not selected:
-        raise ConfigError(f"{key_prefix}.path: {cfg.path!r} holds no rows")
+        raise ConfigError(no_rows_message(cfg, key_prefix))
     return selected
+
+
+def no_rows_message(cfg: DatasetConfig, key_prefix: str = "dataset") -> str:
+    """The error for a source that holds no rows."""
+    return f"{key_prefix}.path: {cfg.path!r} holds no rows"

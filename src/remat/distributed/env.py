@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from remat.distributed.choices import DEVICE_CHOICES
+from remat.distributed.rendezvous import INIT_TIMEOUT_S, join_process_group
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -56,8 +58,6 @@ def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     return all(name in env for name in TORCHRUN_VARIABLES)
 
 
-#: Values of ``distributed.device``: ``auto`` picks CUDA when every local rank can have a GPU of its own.
-DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 
 
 def resolve_device(choice: str | torch.device | None, env: ProcessEnv) -> torch.device:
@@ -108,8 +108,11 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(env: ProcessEnv, device: torch.device) -> bool:
-    """Join the process group described by ``env`` (``env://``), or start a one-process group outside torchrun.
+def init_process_group(env: ProcessEnv, device: torch.device, *, init_timeout_s: float = INIT_TIMEOUT_S,
+                       timeout_s: float | None = None) -> bool:
+    """Join the process group described by ``env`` (torchrun's variables), or start a one-process group outside
+    torchrun. Joining must finish within ``init_timeout_s`` (a `DistributedSetupError` otherwise); collectives then
+    time out after ``timeout_s`` (None: torch's default). See `remat.distributed.rendezvous`.
 
     Returns False when a process group already exists (it is reused as it is), True when this call created it.
     """
@@ -122,7 +125,9 @@ def init_process_group(env: ProcessEnv, device: torch.device) -> bool:
         torch.cuda.set_device(device)
     backend = backend_for(device)
     if env.launched:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        join_process_group(backend, rank=env.rank, world_size=env.world_size,
+                           device_id=device if device.type == "cuda" else None, init_timeout_s=init_timeout_s,
+                           timeout_s=timeout_s)
     else:
         # A one-process group needs no rendezvous: an in-memory store is enough.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

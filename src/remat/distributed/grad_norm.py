@@ -23,7 +23,8 @@ def _mesh_key(tensor: Tensor) -> object:
 
 
 def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-    """The norm of all gradients of ``parameters`` taken together, as a plain fp32 tensor (same value on every rank)."""
+    """The norm of all gradients of ``parameters`` taken together, as a plain fp32 tensor (same value on every rank)
+    on the gradients' device: nothing waits for the device here, so a guard can test it on the device."""
     groups: dict[object, list[Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
@@ -32,10 +33,10 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        parts.append(full.detach().float().cpu())
+        parts.append(full.detach().float())
     if len(parts) <= 1:
         return parts[0] if parts else torch.zeros(())
-    stacked = torch.stack(parts)
+    stacked = torch.stack([part.to(parts[0].device) for part in parts])
     if math.isinf(norm_type):
         return stacked.max()
     return stacked.pow(norm_type).sum().pow(1.0 / norm_type)

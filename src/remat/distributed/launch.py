@@ -11,17 +11,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, fields
 
-from remat.distributed.env import under_torchrun
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 #: --nproc-per-node values torchrun accepts besides a positive integer.
 NPROC_KEYWORDS: tuple[str, ...] = ("auto", "gpu", "cpu")
+MAX_PORT = 65535
+_HOST = re.compile(r"^[\w.:-]+$")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,21 @@ class LaunchOptions:
         """Total workers over all nodes, when both counts are plain integers (else torchrun decides)."""
         nproc, nodes = self.nproc_per_node or "1", self.nnodes or "1"
         return int(nproc) * int(nodes) if nproc.isdigit() and nodes.isdigit() else None
+
+    def check(self) -> None:
+        """ConfigError naming the flag and what is allowed for a value torchrun would fail on, or wait forever with
+        (a node rank outside ``--nnodes``): checked before anything is launched."""
+        max_nodes = parse_nnodes(self.nnodes) if self.nnodes is not None else 1
+        if self.node_rank is not None and not 0 <= self.node_rank < max_nodes:
+            nodes = f"--nnodes {self.nnodes}" if self.nnodes is not None else "one node (no --nnodes)"
+            raise ConfigError(f"--node-rank: got {self.node_rank}, but the launch has {nodes}; allowed: "
+                              f"{'0' if max_nodes == 1 else f'0 .. {max_nodes - 1}'}, a different rank on each node")
+        if self.master_port is not None and not 1 <= self.master_port <= MAX_PORT:
+            raise ConfigError(f"--master-port: got {self.master_port}; allowed: a port in 1 .. {MAX_PORT}")
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts: got {self.max_restarts}; allowed: 0 or more restarts")
+        if self.rdzv_endpoint is not None:
+            parse_endpoint(self.rdzv_endpoint)
 
     def torchrun_args(self) -> list[str]:
         """torchrun's own arguments (before the module to run)."""
@@ -93,6 +110,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 def check_launch_environment(options: LaunchOptions, environ: Mapping[str, str] | None = None) -> bool:
     """True when workers must be launched; False when already under torchrun (its own numbers win, and a
     contradicting ``--nproc-per-node`` is a ConfigError)."""
+    from remat.distributed.env import under_torchrun
+
     if not options.requested:
         return False
     if not under_torchrun(environ):
@@ -117,6 +136,8 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    options.check()
+    share_store_off(options)
     argv = [*options.torchrun_args(), *worker_args]
     logger.info("launching: torchrun %s", " ".join(argv))
     try:
@@ -129,6 +150,55 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
         logger.warning("stopped by %s: the workers were asked to stop", signal.Signals(err.sigval).name)
         return 128 + int(err.sigval)
     return 0
+
+
+def share_store_off(options: LaunchOptions, environ: MutableMapping[str, str] | None = None) -> bool:
+    """For restarts over several nodes, give each rendezvous round a new store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    in the launcher's environment, unless set): torchrun otherwise hands every generation one shared store, whose
+    keys from the previous generation break the next setup (see `remat.distributed.rendezvous`; on one node the
+    workers prefix their keys by restart instead). Returns whether it was set."""
+    env = os.environ if environ is None else environ
+    several_nodes = options.nnodes is not None and parse_nnodes(options.nnodes) > 1
+    if not (several_nodes and options.max_restarts) or "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in env:
+        return False
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    logger.info("restarts over several nodes: each rendezvous round gets a new store "
+                "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)")
+    return True
+
+
+def parse_nnodes(value: str) -> int:
+    """The largest node count ``--nnodes`` allows (``N`` or ``MIN:MAX``, 1 <= MIN <= MAX); ConfigError otherwise."""
+    parts = value.split(":")
+    if len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts):
+        low, high = int(parts[0]), int(parts[-1])
+        if 1 <= low <= high:
+            return high
+    raise ConfigError(f"--nnodes: got {value!r}; allowed: a positive number of nodes N, or MIN:MAX with "
+                      "1 <= MIN <= MAX")
+
+
+def parse_endpoint(value: str) -> tuple[str, int | None]:
+    """``HOST``, ``HOST:PORT`` or ``[IPv6]:PORT`` of ``--rdzv-endpoint`` as (host, port or None); ConfigError
+    naming the flag otherwise."""
+    allowed = f"HOST or HOST:PORT (e.g. node0:29500, [::1]:29500), with a port in 1 .. {MAX_PORT}"
+    text = value.strip()
+    if text.startswith("[") and "]" in text:
+        host, _, rest = text[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"--rdzv-endpoint: got {value!r}; allowed: {allowed}")
+        port_text = rest[1:] if rest else None
+    else:
+        host, sep, port_text_or_empty = text.rpartition(":") if ":" in text else (text, "", "")
+        port_text = port_text_or_empty if sep else None
+    if not host or not _HOST.match(host):
+        raise ConfigError(f"--rdzv-endpoint: got {value!r}, which names no host; allowed: {allowed}")
+    if port_text is None:
+        return host, None
+    if not port_text.isdigit() or not 1 <= int(port_text) <= MAX_PORT:
+        raise ConfigError(f"--rdzv-endpoint: got {value!r}, whose port {port_text!r} is not a port; allowed: "
+                          f"{allowed}")
+    return host, int(port_text)
 
 
 def _nproc(value: str) -> str:

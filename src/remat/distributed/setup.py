@@ -19,14 +19,17 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy
-from remat.distributed.env import DEVICE_CHOICES, ProcessEnv, init_process_group, resolve_device
+from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES, Strategy
+from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
+from remat.distributed.rendezvous import (INIT_TIMEOUT_S, WATCHDOG_GRACE_S, check_timeouts, setup_deadline,
+                                          setup_failure)
 from remat.errors import CheckpointingError, ConfigError
 
 if TYPE_CHECKING:
@@ -34,9 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Strategy = Literal["single", "ddp", "fsdp2"]
-STRATEGIES: tuple[str, ...] = ("single", "ddp", "fsdp2")
-MIXED_PRECISION: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -79,6 +79,8 @@ class DistributedSetup:
         *,
         fsdp_reduce_every_micro_batch: bool = True,
         device: str | torch.device | None = "auto",
+        init_timeout_s: float = INIT_TIMEOUT_S,
+        timeout_s: float | None = None,
     ) -> DistributedSetup:
         """Validate the settings against the environment (torchrun's ``WORLD_SIZE``), join the process group and
         lay out the device mesh.
@@ -92,7 +94,11 @@ class DistributedSetup:
         ``device``: ``auto`` (CUDA device ``LOCAL_RANK`` when there is a GPU per local rank, else the CPU), ``cpu``,
         ``cuda`` (an error when there are fewer GPUs than local ranks), or a ``torch.device``. The process group's
         backend follows it: NCCL on CUDA, gloo on the CPU.
+        ``init_timeout_s``: joining the process group and building the mesh must finish within this many seconds
+        (a `DistributedSetupError` naming the ranks, or a watchdog ending the process shortly after);
+        ``timeout_s``: the collectives' limit afterwards (None: torch's default, 30 min gloo / 10 min NCCL).
         """
+        check_timeouts(init_timeout_s, timeout_s)
         env = ProcessEnv.from_environ()
         dp = validate_settings(strategy, activation_checkpointing, dp_size, tp_size, cp_size, mixed_precision,
                                cpu_offload, fsdp_reduce_every_micro_batch, device, world_size=env.world_size)
@@ -102,8 +108,11 @@ class DistributedSetup:
                     fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch, rank=env.rank,
                     local_rank=env.local_rank, world_size=env.world_size, device=resolved)
         if strategy != "single":
-            setup.owns_process_group = init_process_group(env, resolved)
-            setup.mesh = _device_mesh(resolved, dp, tp_size)
+            late = setup_failure(env.rank, env.world_size, init_timeout_s, "still waiting (setup watchdog)")
+            with setup_deadline(init_timeout_s + WATCHDOG_GRACE_S, late):
+                setup.owns_process_group = init_process_group(env, resolved, init_timeout_s=init_timeout_s,
+                                                              timeout_s=timeout_s)
+                setup.mesh = _device_mesh(resolved, dp, tp_size)
         return setup
 
     # ------------------------------------------------------------------------------------------------ layout

@@ -31,6 +31,7 @@ from remat.errors import ConfigError
 from remat.estimate.replay import replay
 from remat.estimate.settings import StepSettings
 from remat.estimate.simulate import check_simulable, simulate_step
+from remat.hub import hub_config_file, is_hub_id
 from remat.models import ModelConfig, get_preset, preset_names, resolve_model_config
 
 logger = logging.getLogger(__name__)
@@ -172,19 +173,20 @@ def _model_config(model: ModelLike) -> ModelConfig:
             path = path / "config.json"
         if path.is_file():
             return _from_config_file(path)
-        if text in preset_names():
-            return ModelConfig(preset=text)
-        get_preset(text)  # raises ConfigError with the known names and close matches
+        return ModelConfig(preset=get_preset(text).name)  # case-insensitive; unknown: the names and close matches
     raise ConfigError(f"model: got {model!r}; allowed: a preset name ({', '.join(preset_names())}), a config.json "
                       "path or its directory, a transformers config, or a remat.models.ModelConfig")
 
 
 def _without_weights(cfg: ModelConfig) -> ModelConfig:
-    """A pretrained directory is estimated from its config.json: weights are never read."""
+    """A pretrained model (a directory or a Hub id) is estimated from its config.json: weights are never read."""
     if cfg.source != "pretrained":
         return cfg
-    path = Path(cfg.pretrained_model_name_or_path or "") / "config.json"
-    if not path.is_file():
+    source = cfg.pretrained_model_name_or_path or ""
+    path = Path(source) / "config.json"
+    if not Path(source).is_dir() and is_hub_id(source):  # a Hub id: its config.json alone (HF cache, or download)
+        path = Path(hub_config_file(source, "model.pretrained_model_name_or_path"))
+    elif not path.is_file():
         raise ConfigError(f"model.pretrained_model_name_or_path: {path.parent} has no config.json")
     data = cfg.model_dump()
     data.pop("pretrained_model_name_or_path")

@@ -13,22 +13,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, get_args
+from typing import Any, get_args
 
 from remat.checkpointing import CheckpointPolicy, parse_policy
 from remat.distributed import MIXED_PRECISION, STRATEGIES
 from remat.errors import ConfigError
-from remat.estimate.simulate import TARGETS, SimulatedRun, Target
+from remat.estimate.choices import LOSS_TARGETS, TARGETS, Target
+from remat.estimate.simulate import SimulatedRun
 from remat.models import ModelConfig
 from remat.models.config import AutocastDtype, ParamDtype
 from remat.recipes.config import RecipeConfig
 from remat.recipes.loader import validate_recipe
 
-LOSS_TARGETS: Final[dict[str, str]] = {
-    "plain": "remat.loss.MaskedCrossEntropy",
-    "fused": "remat.loss.FusedLinearCrossEntropy",
-}
-"""Short names for the two remat losses; any loss target a recipe allows may be given by its dotted path."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from remat.data import IGNORE_INDEX
 from remat.distributed import DistributedSetup, validate_settings
 from remat.errors import ConfigError
+from remat.estimate.choices import TARGETS, Target
 from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
+from remat.estimate.limits import check_simulated_sizes
 from remat.memory.tracker import LiveTensorTracker
+from remat.models import resolve_model_config
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
 from remat.recipes.config import RecipeConfig
 from remat.recipes.step import step_label_tokens, train_step
 
-Target = Literal["cuda", "cpu"]
-TARGETS: Final[tuple[str, ...]] = ("cuda", "cpu")
 DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 """DistributedDataParallel's default bucket capacity (the first bucket is ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 GRADIENT_BUCKETS: Final[str] = "gradient_buckets"
@@ -135,6 +136,13 @@ class _SimulationMode(TorchDispatchMode):
             del workspace
 
 
+def simulation_mode(target: Target) -> TorchDispatchMode:
+    """The dispatch mode the simulated step runs under for ``target`` (enter it inside the fake mode, above any
+    tracker): real integer inputs stay real, and on ``"cuda"`` attention backward workspaces are allocated. The
+    planner (`remat.planner.measure`) runs single blocks under it, as the step runs them."""
+    return _SimulationMode(cuda=target == "cuda")
+
+
 def _all_real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """True when the arguments hold at least one tensor and no fake one (lists of tensors included)."""
     found = False
@@ -147,10 +155,24 @@ def _all_real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return found
 
 
+def with_cuda_loss_defaults(recipe: RecipeConfig) -> RecipeConfig:
+    """The recipe as its loss runs on a GPU: `FusedLinearCrossEntropy` with ``compile`` unset takes the compiled fast
+    path there (Triton present, as in every CUDA build of torch with its default dependencies), so the simulation,
+    whose fake tensors live on the CPU, asks for that path explicitly. It allocates what the compiled kernel does
+    (`remat.loss.compiled.CompiledChunkMath` never compiles on fake tensors)."""
+    loss = recipe.loss_fn
+    if loss.target != "remat.loss.FusedLinearCrossEntropy" or "compile" in loss.kwargs:
+        return recipe
+    fields = loss.model_dump(by_alias=True)
+    return recipe.model_copy(update={"loss_fn": type(loss).model_validate({**fields, "compile": True})})
+
+
 def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
     """Run one training step of ``recipe`` on fake tensors, through the recipe's own build
     (`remat.recipes.build`) and step (`remat.recipes.step.train_step`), and return its allocation trace."""
     accumulation = check_simulable(recipe, run)
+    if run.target == "cuda":
+        recipe = with_cuda_loss_defaults(recipe)
     trace = StepTrace(recipe, run)
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -168,7 +190,8 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
         trainable = [p for p in params if p.requires_grad]
         trace.trainable_parameters = sum(_local_numel(p) for p in trainable)
         batch = make_batch(recipe, run, int(net.config.get_text_config().vocab_size))
-        label_tokens = step_label_tokens([batch] * accumulation, setup)  # real integers, outside the fake mode
+        # Real integers, outside the fake mode; every micro-batch is the same batch, so one is counted.
+        label_tokens = step_label_tokens([batch], setup) * accumulation
         if strategy == "ddp":
             _add_ddp_buckets(trace, trainable)
         with fake:
@@ -187,10 +210,10 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
             with fake, attention, tracker, mode:
                 # On a GPU the recipe moves the step's micro-batches to the device before the step: they count. On
                 # the CPU they are the loader's tensors, which the tracker does not count. Two micro-batches give the
-                # peak of any number (the third and later ones repeat the second).
-                copies = accumulation if run.target == "cuda" else 0
-                on_device = [{k: v.clone() for k, v in batch.items()} for _ in range(copies)]
-                micro_batches = on_device or [batch] * accumulation
+                # peak of any number (the third and later ones repeat the second), so only those two are real
+                # copies; the others are fake tensors of the same shapes (counted, never allocated).
+                on_device = _device_copies(batch, accumulation if run.target == "cuda" else 0)
+                micro_batches = on_device or [batch] * min(accumulation, 2)
                 train_step(root, params, optimizer, micro_batches[:2], setup=setup, label_tokens=label_tokens,
                            autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm, mark=mark)
                 del on_device, micro_batches
@@ -246,6 +269,9 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     if rest or accumulation < 1:
         raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
                           f"({sched.local_batch_size}) x world size ({run.world_size}) x an integer")
+    text_config = resolve_model_config(recipe.model).get_text_config()  # the layers (the vocabulary is not needed)
+    check_simulated_sizes(batch_size=sched.local_batch_size, seq_length=seq_length, grad_accumulation=accumulation,
+                          world_size=run.world_size, num_layers=getattr(text_config, "num_hidden_layers", None))
     return accumulation
 
 
@@ -273,6 +299,14 @@ def make_batch(recipe: RecipeConfig, run: SimulatedRun, vocab_size: int) -> dict
     labels = input_ids.clone()
     labels[position_ids == 0] = IGNORE_INDEX  # a document's first token is never predicted from the one before
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def _device_copies(batch: dict[str, torch.Tensor], copies: int) -> list[dict[str, torch.Tensor]]:
+    """``copies`` device copies of ``batch`` (called inside the simulation's modes): the first two are real clones,
+    on which value-dependent code runs; the rest are fake tensors of the same shapes and dtypes, which the tracker
+    counts as it counts the real ones."""
+    real = [{k: v.clone() for k, v in batch.items()} for _ in range(min(copies, 2))]
+    return real + [{k: torch.empty(v.shape, dtype=v.dtype) for k, v in batch.items()} for _ in range(copies - 2)]
 
 
 def _add_ddp_buckets(trace: StepTrace, trainable: list[nn.Parameter]) -> None:

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 logger = logging.getLogger("remat.loss")
 
-ChunkMath = Callable[[Tensor, Tensor, Tensor, "float | None"], tuple[Tensor, Tensor]]
+LseAndGrad = Callable[[Tensor, Tensor, Tensor, "float | None"], Tensor]
 
 
 def softmax_xent_grad_(logits: Tensor, targets: Tensor, scale: Tensor,
@@ -32,6 +32,24 @@ def softmax_xent_grad_(logits: Tensor, targets: Tensor, scale: Tensor,
     Overwrites ``logits`` with ``d(scale * sum(loss)) / d(raw logits)`` = ``(softmax - onehot) * dcap * scale``.
     ``scale`` is a 0-dim tensor (a Python float would make ``torch.compile`` recompile for every new value).
     """
+    target = target_logits(logits, targets, softcap)
+    lse = lse_and_grad_(logits, targets, scale, softcap)
+    return lse, lse - target
+
+
+def target_logits(logits: Tensor, targets: Tensor, softcap: float | None) -> Tensor:
+    """The (soft-capped) logit of each row's target, in fp32 (fp64 for fp64): ``[rows]``.
+
+    Read *before* `lse_and_grad_` overwrites ``logits``, and outside the compiled function: torch 2.11's Inductor
+    (CPU, measured) ordered a gather from the logits after their in-place overwrite inside one compiled graph, giving
+    losses off by several nats while the log-sum-exp and the gradient were right."""
+    raw = logits.gather(1, targets[:, None]).squeeze(1).to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.tanh(raw / softcap) * softcap if softcap is not None else raw
+
+
+def lse_and_grad_(logits: Tensor, targets: Tensor, scale: Tensor, softcap: float | None) -> Tensor:
+    """The per-row log-sum-exp of the (soft-capped) logits; overwrites ``logits`` with the gradient (see
+    `softmax_xent_grad_`). This is the part that is compiled."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
         capped = torch.tanh(x / softcap)
@@ -40,15 +58,13 @@ def softmax_xent_grad_(logits: Tensor, targets: Tensor, scale: Tensor,
         z = x
     row_max = z.amax(1, keepdim=True)
     lse = torch.log(torch.exp(z - row_max).sum(1, keepdim=True)) + row_max
-    target_logit = z.gather(1, targets[:, None]).squeeze(1)
     onehot = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
     # exp recomputed from lse rather than reused: a reused exp would be stored as an fp32 [rows, vocab] buffer
     grad = torch.exp(z - lse) - onehot.to(z.dtype)
     if softcap is not None:
         grad = grad * (1.0 - capped * capped)
     logits.copy_(grad * scale)
-    lse = lse.squeeze(1)
-    return lse, lse - target_logit
+    return lse.squeeze(1)
 
 
 def compile_available(device: torch.device) -> bool:
@@ -63,32 +79,38 @@ def compile_available(device: torch.device) -> bool:
 
 
 class CompiledChunkMath:
-    """:func:`softmax_xent_grad_` through ``torch.compile``, compiled on first use, eager after a failed compile.
+    """:func:`softmax_xent_grad_` with its :func:`lse_and_grad_` through ``torch.compile`` (compiled on first use,
+    eager after a failed compile); the target logits are gathered eagerly first (see `target_logits`).
 
     ``compiler`` is ``torch.compile`` (tests pass another one, e.g. the identity, to run this path quickly).
     """
 
-    def __init__(self, compiler: Callable[[ChunkMath], ChunkMath] | None = None) -> None:
+    def __init__(self, compiler: Callable[[LseAndGrad], LseAndGrad] | None = None) -> None:
         self._compiler = compiler
-        self._compiled: ChunkMath | None = None
+        self._compiled: LseAndGrad | None = None
         self.failed: str | None = None  # why compiling failed, once it has
 
-    def _function(self) -> ChunkMath:
+    def _function(self) -> LseAndGrad:
         if self._compiled is None:
             compiler = self._compiler or (lambda fn: torch.compile(fn, dynamic=None))
-            self._compiled = compiler(softmax_xent_grad_)
+            self._compiled = compiler(lse_and_grad_)
         return self._compiled
 
     def __call__(self, logits: Tensor, targets: Tensor, scale: Tensor,
                  softcap: float | None) -> tuple[Tensor, Tensor]:
+        target = target_logits(logits, targets, softcap)
         if is_fake(logits):
             # remat's memory estimate simulates the step on fake tensors: allocate what the compiled kernel
             # allocates (per-row outputs; the gradient goes into the logits buffer) and never compile
-            acc = torch.promote_types(logits.dtype, torch.float32)
-            return logits.new_empty(logits.shape[0], dtype=acc), logits.new_empty(logits.shape[0], dtype=acc)
-        if self.failed is not None or torch.compiler.is_compiling():
+            lse = logits.new_empty(logits.shape[0], dtype=target.dtype)
+        elif self.failed is not None or torch.compiler.is_compiling():
             # an outer torch.compile traces the plain function itself
-            return softmax_xent_grad_(logits, targets, scale, softcap)
+            lse = lse_and_grad_(logits, targets, scale, softcap)
+        else:
+            lse = self._compiled_lse_and_grad(logits, targets, scale, softcap)
+        return lse, lse - target
+
+    def _compiled_lse_and_grad(self, logits: Tensor, targets: Tensor, scale: Tensor, softcap: float | None) -> Tensor:
         try:
             return self._function()(logits, targets, scale, softcap)
         except torch.OutOfMemoryError:
@@ -97,7 +119,7 @@ class CompiledChunkMath:
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             logger.warning("FusedLinearCrossEntropy: torch.compile of the chunk math failed (%s); running it "
                            "eagerly, which is slower and holds fp32 temporaries of the chunk", self.failed)
-            return softmax_xent_grad_(logits, targets, scale, softcap)
+            return lse_and_grad_(logits, targets, scale, softcap)
 
 
 #: The process-wide compiled chunk math (one compile cache for every FusedLinearCrossEntropy).

@@ -10,11 +10,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from remat.arguments import checked_keywords
 from remat.errors import ConfigError
 from remat.loss.backends import Backend, KernelRequest, check_backend, kernel_loss_sum, select_backend
 from remat.loss.chunked import ChunkedLinearCrossEntropy, ChunkSettings, GradStrategy, plan_chunks
+from remat.loss.contract import LossInput
 from remat.loss.targets import (
-    LossInput,
     Reduction,
     check_labels,
     check_reduction,
@@ -50,6 +51,7 @@ class FusedLinearCrossEntropy:
 
     consumes: ClassVar[LossInput] = "hidden_states"
 
+    @checked_keywords
     def __init__(
         self,
         ignore_index: int = -100,

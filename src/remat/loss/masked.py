@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from remat.arguments import checked_keywords
 from remat.errors import ConfigError
+from remat.loss.contract import LossInput
 from remat.loss.targets import (
-    LossInput,
     Reduction,
     check_labels,
     check_reduction,
@@ -30,6 +31,7 @@ class MaskedCrossEntropy:
 
     consumes: ClassVar[LossInput] = "logits"
 
+    @checked_keywords
     def __init__(self, ignore_index: int = -100, reduction: Reduction = "mean") -> None:
         self.ignore_index = int(ignore_index)
         self.reduction: Reduction = check_reduction(reduction)

@@ -17,19 +17,6 @@ from remat.errors import ConfigError
 Reduction = Literal["mean", "sum"]
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 
-# What a loss consumes, declared by each loss class as ``consumes``: the model's logits
-# (``loss(logits, labels, num_label_tokens=...)``) or its last hidden states plus the output head
-# (``loss(hidden_states, weight, labels, bias=..., num_label_tokens=...)``). The recipe derives the model's outputs from it.
-LossInput = Literal["logits", "hidden_states"]
-LOSS_INPUTS: tuple[str, ...] = get_args(LossInput)
-
-
-def loss_input(loss: object) -> LossInput | None:
-    """The ``consumes`` declaration of a loss class or instance, or None if it declares none (not a remat loss)."""
-    consumes = getattr(loss, "consumes", None)
-    return consumes if consumes in LOSS_INPUTS else None
-
-
 def check_reduction(reduction: str) -> Reduction:
     """Return ``reduction`` if it is a supported reduction, else raise a ConfigError naming ``loss_fn.reduction``."""
     if reduction not in REDUCTIONS:

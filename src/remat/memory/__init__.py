@@ -3,8 +3,21 @@ RSS). The estimate of a step's peak before a run is `remat.estimate`."""
 
 from __future__ import annotations
 
-from remat.memory.meter import MEMORY_SOURCES, MemoryReading, MemorySource, StepMemoryMeter, max_over_ranks
-from remat.memory.tracker import CATEGORIES, LiveTensorTracker, StorageListener
+from typing import TYPE_CHECKING
+
+from remat._lazy import lazy_exports
+
+# Imported on first use (remat._lazy), so that light submodules load without torch.
+_EXPORTS: dict[str, str] = {
+    "MEMORY_SOURCES": "remat.memory.meter",
+    "MemoryReading": "remat.memory.meter",
+    "MemorySource": "remat.memory.meter",
+    "StepMemoryMeter": "remat.memory.meter",
+    "max_over_ranks": "remat.memory.meter",
+    "CATEGORIES": "remat.memory.tracker",
+    "LiveTensorTracker": "remat.memory.tracker",
+    "StorageListener": "remat.memory.tracker",
+}
 
 __all__ = [
     "CATEGORIES",
@@ -16,3 +29,9 @@ __all__ = [
     "StorageListener",
     "max_over_ranks",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from remat.memory.meter import MEMORY_SOURCES, MemoryReading, MemorySource, StepMemoryMeter, max_over_ranks
+    from remat.memory.tracker import CATEGORIES, LiveTensorTracker, StorageListener

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.generation import GenerationConfig
@@ -30,6 +31,7 @@ from remat.errors import ConfigError
 from remat.hub import hub_load_error
 from remat.models.config import ModelConfig
 from remat.models.presets import get_preset, preset_for_hub_id
+from remat.models.shape import check_config_shape
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ def _config_from_mapping(mapping: dict[str, Any], cfg: ModelConfig) -> Pretraine
             "(AutoModelForCausalLM cannot build it); choose a decoder model type such as 'llama' or 'qwen3'."
         )
     _reject_unknown_keys(config_class, model_type, fields)
+    check_config_shape(config_class, fields)
     try:
         return AutoConfig.for_model(model_type, trust_remote_code=cfg.trust_remote_code, **fields)
     except Exception as err:  # transformers raises ValueError, TypeError and huggingface_hub validation errors
@@ -223,7 +226,7 @@ def _load_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
             **kwargs,
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a truncated or corrupt weights file
         raise _load_error(path, local, "load a causal LM", err) from err
     return model.to(device)
 

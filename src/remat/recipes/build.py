@@ -30,7 +30,8 @@ def distributed_setup(cfg: RecipeConfig) -> DistributedSetup:
     return DistributedSetup.build(
         strategy=d.strategy, device=d.device, activation_checkpointing=d.activation_checkpointing, dp_size=d.dp_size,
         tp_size=d.tp_size, cp_size=d.cp_size, mixed_precision=d.mixed_precision, cpu_offload=d.cpu_offload,
-        fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch)
+        fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch, init_timeout_s=d.init_timeout_s,
+        timeout_s=d.timeout_s)
 
 
 def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:

@@ -7,6 +7,8 @@ validation errors into messages that name the dotted key, the given value and wh
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,11 +22,11 @@ from pydantic import (
     model_validator,
 )
 
-from remat.checkpointing import CheckpointPolicy, parse_policy
+from remat.checkpointing.policy import CheckpointPolicy, parse_policy
 from remat.config_base import StrictModel
 from remat.data.config import DatasetConfig, TokenizerConfig
-from remat.distributed import MIXED_PRECISION, STRATEGIES
-from remat.distributed.env import DEVICE_CHOICES
+from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES
+from remat.errors import ConfigError
 from remat.models.config import ModelConfig
 
 
@@ -63,6 +65,29 @@ class OptimizerConfig(TargetConfig):
     keyword arguments."""
 
     target: str = Field(default="torch.optim.AdamW", alias="_target_")
+
+    @model_validator(mode="after")
+    def _check_hyperparameters(self) -> OptimizerConfig:
+        """The usual hyper-parameters, checked when the recipe is read (not after the model is built)."""
+        for name, value in self.kwargs.items():
+            check = _OPTIMIZER_VALUE_CHECKS.get(name)
+            if check is not None and not check[0](value):
+                raise ConfigError(f"optimizer.{name}: got {value!r}; allowed: {check[1]}")
+        return self
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_OPTIMIZER_VALUE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "lr": (lambda v: _number(v) and v > 0, "a positive finite number, e.g. 3e-4"),
+    "eps": (lambda v: _number(v) and v > 0, "a positive finite number, e.g. 1e-8"),
+    "weight_decay": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+    "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+}
 
 
 class LossConfig(TargetConfig):
@@ -111,33 +136,60 @@ class ClipGradNormConfig(StrictModel):
     max_norm: PositiveFloat | None = 1.0
 
 
+class TrainingConfig(StrictModel):
+    """``training``: what a step whose loss or gradient norm is NaN or infinite does. Its update is never applied
+    (the check runs before the optimizer step); ``on_nonfinite: stop`` then stops the run (exit 2, nothing saved),
+    ``skip`` goes on with the next batch until more than ``max_nonfinite_steps`` such steps come in a row."""
+
+    on_nonfinite: Literal["skip", "stop"] = "stop"
+    max_nonfinite_steps: PositiveInt = 3
+
+
+PLANNER_KEYS: tuple[str, ...] = ("memory_budget",)
+"""``distributed`` keys read by the planner (`remat.planner`, above the recipe), not by ``DistributedSetup.build``."""
+
+
 class DistributedConfig(StrictModel):
     """``distributed``: the parallelism strategy and activation checkpointing (the seed documents' keys).
 
-    Every key is an argument of ``remat.DistributedSetup.build``. ``mixed_precision`` and ``cpu_offload`` apply to
+    Every key but `PLANNER_KEYS` is an argument of ``remat.DistributedSetup.build``. ``mixed_precision`` and
+    ``cpu_offload`` apply to
     FSDP2 (its ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy``); ``fsdp_reduce_every_micro_batch: false`` defers
     FSDP2's gradient reduce-scatter to the last micro-batch of a step (less communication, unsharded gradients held
     during accumulation). ``device``: ``auto`` trains on CUDA device ``LOCAL_RANK`` when the node has a GPU per
     process (else on the CPU, with a warning if there are GPUs, but too few), ``cpu`` on the CPU (gloo), ``cuda`` on the
     GPUs (NCCL; an error when there are fewer GPUs than processes per node).
+
+    ``activation_checkpointing: auto`` asks the planner (`remat.planner`, above the recipe) for the per-layer policy
+    with the least recompute whose predicted peak fits ``memory_budget`` (per rank: bytes, a size such as
+    ``40GiB``, or a fraction of the GPU's memory such as 0.8; default: the GPU's memory minus a margin). `remat
+    finetune` resolves it before the recipe is built, so the validated recipe always holds a concrete policy.
     """
 
     strategy: Literal[STRATEGIES] = "single"  # type: ignore[valid-type]
     device: Literal[DEVICE_CHOICES] = "auto"  # type: ignore[valid-type]
     activation_checkpointing: TypedPolicy = Field(default_factory=lambda: parse_policy(False))
+    memory_budget: PositiveInt | PositiveFloat | str | None = None
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
     cp_size: PositiveInt = 1
     mixed_precision: Literal[MIXED_PRECISION] | None = None  # type: ignore[valid-type]
     cpu_offload: bool = False
     fsdp_reduce_every_micro_batch: bool = True
+    init_timeout_s: PositiveFloat = 600.0
+    """Joining the process group must finish within this many seconds (a rank that never arrives is an error)."""
+    timeout_s: PositiveFloat | None = None
+    """The collectives' time limit; null: torch's default (30 minutes for gloo, 10 for NCCL)."""
 
 
 class CheckpointConfig(StrictModel):
     """``checkpoint``: where and how training state is saved, and whether a run resumes.
 
-    ``resume``: ``auto`` continues from the latest complete checkpoint in ``checkpoint_dir`` if there is one,
-    ``never`` starts fresh (refusing to overwrite existing checkpoints), or a path to a ``step_N`` directory.
+    ``resume``: ``auto`` continues from the newest checkpoint in ``checkpoint_dir`` that verifies (content hashes)
+    and loads, falling back past broken ones and stopping with one error when checkpoints exist but none does;
+    ``never`` starts fresh (refusing to overwrite existing checkpoints); ``restart`` moves existing checkpoints into
+    ``checkpoint_dir/.superseded-<time>/`` and starts fresh (``remat finetune --restart``); or a path to a ``step_N``
+    directory (verified; no fallback).
     ``on_newer_checkpoints``: what a resume from a checkpoint older than others in ``checkpoint_dir`` does: ``refuse``
     (stop with one line) or ``archive`` (move the newer ones into ``checkpoint_dir/archive/attempt-<N>/``, untouched).
     """
@@ -150,6 +202,16 @@ class CheckpointConfig(StrictModel):
     on_newer_checkpoints: Literal["refuse", "archive"] = "refuse"
 
 
+class WandbConfig(StrictModel):
+    """``logging.wandb``: also log to Weights & Biases (needs ``pip install 'remat[wandb]'``; never required)."""
+
+    project: str = "remat"
+    entity: str | None = None
+    name: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
 class LoggingConfig(StrictModel):
     """``logging``: the per-step log line, the metrics file and how memory is measured."""
 
@@ -158,6 +220,7 @@ class LoggingConfig(StrictModel):
     memory: Literal["auto", "cuda", "tracked", "rss"] = "auto"
     metrics_file: str | None = "metrics.jsonl"
     tensorboard: bool = False
+    wandb: WandbConfig | None = None
 
 
 class PeftConfig(StrictModel):
@@ -173,8 +236,11 @@ class PeftConfig(StrictModel):
 class RecipeConfig(StrictModel):
     """A whole fine-tuning recipe. Every section but ``model`` has defaults."""
 
-    seed: int = 1234
-    output_dir: str = "outputs/run"
+    seed: int = Field(default=1234, ge=0, lt=2**63)  # what torch.manual_seed, random and numpy all accept
+    output_dir: str = ""
+    """Where metrics and checkpoints go. Left empty: ``outputs/<recipe file stem>`` for a recipe file
+    (`remat.recipes.loader.load_recipe`), ``outputs/run-<8 hex digits of the run's identity>`` otherwise
+    (`remat.recipes.resume_changes.default_output_dir`), so two recipes never share one by accident."""
     custom_target_packages: list[str] = Field(default_factory=list)
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -185,6 +251,7 @@ class RecipeConfig(StrictModel):
     lr_scheduler: LRSchedulerConfig = Field(default_factory=LRSchedulerConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)
     clip_grad_norm: ClipGradNormConfig = Field(default_factory=ClipGradNormConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -196,3 +263,12 @@ class RecipeConfig(StrictModel):
         from remat.recipes.targets import check_custom_packages
 
         return list(check_custom_packages(value))
+
+    @model_validator(mode="after")
+    def _derived_output_dir(self) -> RecipeConfig:
+        if not self.output_dir:
+            from remat.recipes.resume_changes import default_output_dir
+
+            # Not an assignment: validate_assignment would run this validator again.
+            self.__dict__["output_dir"] = default_output_dir(self.model_dump(mode="json", by_alias=True))
+        return self

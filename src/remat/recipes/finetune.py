@@ -15,7 +15,6 @@ on by all ranks, and checkpoints are sharded (fsdp2, torch.distributed.checkpoin
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import sys
@@ -29,22 +28,27 @@ from typing import Any
 import torch
 
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
+from remat.data.fingerprint import dataset_fingerprint
 from remat.data.loader import collate
 from remat.distributed import ProcessEnv, validate_settings
-from remat.errors import ConfigError, TrainingDivergedError
+from remat.errors import ConfigError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
+from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save
+from remat.recipes.output_paths import OutputPaths
+from remat.recipes.resume_changes import plan_resume
 from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
 from remat.recipes.step import autocast, step_label_tokens, train_step
-from remat.recipes.training_state import find_latest_checkpoint, state_store, store_for_saved
+from remat.recipes.training_state import state_store, store_for_saved
 from remat.recipes.training_state.history import check_saved_step, keep_newer_checkpoints
-from remat.recipes.training_state.layout import remove_stale_work_dirs
+from remat.recipes.training_state.layout import remove_stale_work_dirs, step_directories
+from remat.recipes.training_state.verify import load_newest_verified, load_verified, supersede_checkpoints
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
 
@@ -84,9 +88,13 @@ class FinetuneRecipe:
         self._stop_reason: str | None = None
         self._stop_signal: int | None = None
         _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
+        # Every rank, before the process group and anything else: a path that cannot be written is one line.
+        OutputPaths.of(cfg.output_dir, cfg.checkpoint.checkpoint_dir, cfg.checkpoint.enabled,
+                       cfg.logging.metrics_file).prepare()
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
-        self.checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir or self.output_dir / "checkpoints")
+        self.checkpoint_dir = checkpoint_directory(cfg)
+        self.nonfinite = NonFiniteGuard.from_config(cfg.training)
         self.run_locks: RunLocks | None = None
 
     # ------------------------------------------------------------------------------------------------ building
@@ -116,32 +124,50 @@ class FinetuneRecipe:
         )
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
         self.step = 0
+        self.data_fingerprint = dataset_fingerprint(self.train_data)
+        self.resume_notes: list[str] = []
         self.resumed_from = self._maybe_resume()
 
     def _maybe_resume(self) -> Path | None:
+        """Choose, verify and load the checkpoint to continue from (`remat.recipes.training_state.verify`): with
+        ``auto`` the newest that verifies and loads, each one skipped said; None when starting at step 0."""
         ckpt = self.cfg.checkpoint
         if not ckpt.enabled:
             return None
-        latest = find_latest_checkpoint(self.checkpoint_dir)
+        if ckpt.resume == "restart":
+            supersede_checkpoints(self.checkpoint_dir)
+            return None
         if ckpt.resume == "never":
-            if latest is not None:
+            existing = step_directories(self.checkpoint_dir)
+            if existing:
                 raise ConfigError(
-                    f"checkpoint.resume: 'never' but {self.checkpoint_dir} already holds checkpoints (latest: "
-                    f"{latest.name}); refusing to overwrite them. Use checkpoint.resume: auto to continue, or another "
-                    "checkpoint.checkpoint_dir / output_dir to start over"
+                    f"checkpoint.resume: 'never' but {self.checkpoint_dir} already holds checkpoints (newest: "
+                    f"{existing[-1].name}); refusing to overwrite them. Use checkpoint.resume: auto to continue, "
+                    "restart (--restart) to move them aside and start over, or another checkpoint.checkpoint_dir / "
+                    "output_dir"
                 )
             return None
-        path = latest if ckpt.resume == "auto" else Path(ckpt.resume)
-        if path is None:
-            return None
+        if ckpt.resume == "auto":
+            chosen = load_newest_verified(self.checkpoint_dir, self._restore)
+            return chosen[0] if chosen is not None else None
+        path = Path(ckpt.resume)
         if not path.is_dir():
             raise ConfigError(f"checkpoint.resume: {ckpt.resume!r} is not a checkpoint directory; "
-                              "allowed: auto, never, or the path of a step_N checkpoint")
-        self._keep_newer_checkpoints(path)
+                              "allowed: auto, never, restart, or the path of a step_N checkpoint")
+        self._keep_newer_checkpoints(path)  # a named older step: never re-train over newer ones silently
+        load_verified(path, self._restore)
+        return path
+
+    def _restore(self, path: Path) -> None:
+        """Load the verified checkpoint at ``path`` into the run (model, optimizer, schedule, RNGs, data position),
+        after classifying how the recipe changed since it was saved (`remat.recipes.resume_changes`): a refused
+        change is a ConfigError before anything is loaded; applied and compatible ones are applied here."""
+        changes = plan_resume(path, self.cfg, data_fingerprint=self.data_fingerprint, batches=self.batches,
+                              optimizer=self.optimizer)
         state = self._load(path)
         self.step = check_saved_step(path, state["step"])
-        self.batches.load_state_dict(state["data"])
-        return path
+        self.batches.load_state_dict(changes.data_state(state["data"], self.batches))
+        self.resume_notes = changes.apply(self.optimizer, self.lr_scheduler, self.step)
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -160,7 +186,8 @@ class FinetuneRecipe:
         max_steps = cfg.step_scheduler.max_steps
         result = RunResult(start_step=self.step, final_step=self.step)
         reporter = RunReporter(cfg.logging, self.output_dir, total_steps=max_steps, start_step=self.step,
-                               enabled=self.dist.is_main_process, attempt=self.attempt)
+                               enabled=self.dist.is_main_process, recipe=cfg.model_dump(mode="json", by_alias=True),
+                               attempt=self.attempt)
         with reporter, _stop_on_signals(self._on_signal):
             self._report_setup(reporter)
             if self.step >= max_steps:
@@ -172,7 +199,9 @@ class FinetuneRecipe:
                 record = self._train_step()
                 result.records.append(record)
                 reporter.step(record)
-                _refuse_non_finite(record, result.last_checkpoint or self.resumed_from)
+                skipped = self.nonfinite.after_step(record, result.last_checkpoint or self.resumed_from)
+                if skipped is not None:
+                    reporter.info(skipped)
                 for callback in self.callbacks:
                     callback(self, record)
                 sched = cfg.step_scheduler
@@ -269,7 +298,7 @@ class FinetuneRecipe:
         return StepRecord(
             step=self.step, epoch=self.batches.epoch, loss=global_loss, grad_norm=float(outcome.grad_norm),
             lr=outcome.lr, mem_bytes=reading.peak_bytes, mem_source=reading.source, tps=tokens / elapsed,
-            num_label_tokens=label_tokens, step_time_s=elapsed,
+            num_label_tokens=label_tokens, step_time_s=elapsed, skipped=bool(outcome.skipped),
         )
 
     @torch.no_grad()
@@ -297,18 +326,22 @@ class FinetuneRecipe:
     def _save(self, reporter: RunReporter) -> Path:
         """Save on every rank together: sharded for fsdp2, from rank 0 in the single-process format otherwise."""
         train_state = {"step": self.step, "epoch": self.batches.epoch, "data": self.batches.state_dict(),
-                       "config": self.cfg.model_dump(mode="json", by_alias=True)}
+                       "config": self.cfg.model_dump(mode="json", by_alias=True),
+                       "data_fingerprint": self.data_fingerprint}
         arguments: dict[str, Any] = {
             "model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
             "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,
         }
+        refuse_to_save(self.step, self.model, self.optimizer, self.dist, self.checkpoint_dir)
         path = state_store(self.dist).save(self.checkpoint_dir, self.step, **arguments)
         reporter.info(f"saved checkpoint {path}")
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
-        return store_for_saved(path, self.dist).load(path, **states)
+        state = store_for_saved(path, self.dist).load(path, **states, verify=False)  # verified by the caller
+        refuse_to_resume(path, self.model, self.optimizer, self.dist)
+        return state
 
     def _report_setup(self, reporter: RunReporter) -> None:
         total, trainable = count_parameters(self.model), sum(
@@ -328,9 +361,16 @@ class FinetuneRecipe:
         reporter.info(f"mem: {MEMORY_SOURCE_NOTES[self.memory_meter.source]}{ranks}")
         if self.resumed_from is not None:
             reporter.info(f"resumed from {self.resumed_from} at step {self.step}")
+            for note in self.resume_notes:
+                reporter.info(note)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+
+
+def checkpoint_directory(cfg: RecipeConfig) -> Path:
+    """Where the recipe's checkpoints go: ``checkpoint.checkpoint_dir``, by default ``output_dir/checkpoints``."""
+    return Path(cfg.checkpoint.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
 
 
 def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:
@@ -392,22 +432,6 @@ def _seed_everything(seed: int) -> None:
         import numpy as np
 
         np.random.seed(seed % 2**32)
-
-
-def _refuse_non_finite(record: StepRecord, last_good: Path | None) -> None:
-    """Stop the run, saving nothing, when a step's loss or gradient norm is NaN or infinite.
-
-    The optimizer has already applied that step, so the weights in memory may be broken; no checkpoint is written from
-    them (and none is pruned), so the last one saved stays the newest. Every rank sees the same global loss and norm,
-    so all ranks stop together."""
-    if math.isfinite(record.loss) and math.isfinite(record.grad_norm):
-        return
-    where = f"the last good checkpoint is {last_good}" if last_good is not None else "no checkpoint was saved yet"
-    raise TrainingDivergedError(
-        f"step {record.step}: loss {record.loss} and grad_norm {record.grad_norm}: training diverged, so the run "
-        f"stops without saving this state ({where}). Lower optimizer.lr, keep clip_grad_norm.max_norm set, or check "
-        "the data; then resume from that checkpoint"
-    )
 
 
 @contextlib.contextmanager

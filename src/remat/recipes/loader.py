@@ -11,14 +11,17 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from remat.checkpointing.policy import AUTO
 from remat.errors import ConfigError, RematError
-from remat.loss import loss_input
+from remat.loss.contract import loss_input
 from remat.recipes.config import RecipeConfig, TargetConfig
+from remat.recipes.shipped import find_recipe
 from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
 
@@ -54,8 +57,14 @@ RUNNER_ONLY_KEYS: dict[str, str] = {
 }
 
 
-def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
-    """Turn ``["--a.b", "1", "--c=x"]`` into ``[("a.b", 1), ("c", "x")]``."""
+#: How YAML writes "no value": an override of a text key with one of these unsets it.
+YAML_NULLS: frozenset[str] = frozenset({"null", "Null", "NULL", "~"})
+
+
+def parse_overrides(args: Sequence[str], schema: type[BaseModel] | None = None) -> list[tuple[str, Any]]:
+    """Turn ``["--a.b", "1", "--c=x"]`` into ``[("a.b", 1), ("c", "x")]``. Values are read as YAML, except that a key
+    whose field in ``schema`` holds text only (``output_dir``, a path, a name) keeps the text as written:
+    ``--output_dir 20240101`` is the directory "20240101", not a number (``null`` still unsets it)."""
     pairs: list[tuple[str, Any]] = []
     i = 0
     while i < len(args):
@@ -73,7 +82,8 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
             i += 2
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {arg!r}: malformed key {key!r}")
-        pairs.append((key, _parse_value(raw)))
+        as_text = schema is not None and _is_text_field(schema, key.split(".")) and raw.strip() not in YAML_NULLS
+        pairs.append((key, raw if as_text else _parse_value(raw)))
     return pairs
 
 
@@ -111,12 +121,20 @@ def _deep_copy(data: Any) -> Any:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a recipe file; errors name the file and, for syntax errors, the line."""
-    path = Path(path)
+    """Read a recipe file (a path, or the name of a shipped recipe: `remat.recipes.shipped`); errors name the file
+    and, for syntax errors, the line."""
+    path = find_recipe(path)
     if not path.is_file():
-        raise ConfigError(f"recipe {str(path)!r} not found")
+        raise ConfigError(f"recipe {str(path)!r} is not a file (a directory?); give the path of a YAML recipe")
     try:
-        data = yaml.load(path.read_text(), Loader=RecipeYamlLoader)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"recipe {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start}); a recipe is a YAML file") from None
+    except OSError as err:
+        raise ConfigError(f"recipe {str(path)!r} cannot be read: {err.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=RecipeYamlLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -143,10 +161,29 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
 
 def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
     """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate."""
+    return validate_recipe(load_recipe_data(path, overrides))
+
+
+def asks_for_auto(data: Mapping[str, Any]) -> bool:
+    """Whether a recipe mapping asks for ``distributed.activation_checkpointing: auto`` (which the planner,
+    `remat.planner`, resolves before the recipe is validated)."""
+    section = data.get("distributed")
+    value = section.get("activation_checkpointing") if isinstance(section, Mapping) else None
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def load_recipe_data(path: str | Path,
+                     overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
+    """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (the planner resolves
+    ``activation_checkpointing: auto`` in it first)."""
     data = read_yaml(path)
     _refuse_runner_only_keys(data, path)
-    pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
-    return validate_recipe(apply_overrides(data, pairs))  # type: ignore[arg-type]
+    pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
+             else list(overrides))
+    data = apply_overrides(data, pairs)  # type: ignore[arg-type]
+    if data.get("output_dir") in (None, ""):  # each recipe file its own run directory (remat.recipes.resume_changes)
+        data["output_dir"] = f"outputs/{Path(path).stem}"
+    return data
 
 
 def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:
@@ -236,9 +273,11 @@ def _describe(item: Mapping[str, Any], loc: list[str], key: str, root: type[Base
         allowed = _allowed_keys(root, loc[:-1])
         close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
         hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])!r}?" if close else ""
-        return f"{key}: unknown key{hint} Allowed keys here: {', '.join(allowed)}"
+        return f"{key}: unknown key{hint}; allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required key is missing"
+    if kind == "string_type" and isinstance(given, (int, float)) and not isinstance(given, bool):
+        return f"{key}: expected text, got the number {given!r}; write it in quotes in YAML: {key.split('.')[-1]}: '{given}'"
     if kind == "literal_error":
         expected = item.get("ctx", {}).get("expected", "")
         return f"{key}: got {given!r}; allowed: {expected}"
@@ -259,6 +298,25 @@ def _allowed_keys(root: type[BaseModel], loc: list[str]) -> list[str]:
         model = _model_of(fields[part].annotation)
     fields = getattr(model, "model_fields", {})
     return [(f.alias or name) for name, f in fields.items()]
+
+
+def _is_text_field(root: type[BaseModel], parts: list[str]) -> bool:
+    """Whether the field at the dotted path ``parts`` accepts text only (str or a path, maybe None; no numbers)."""
+    model: Any = root
+    for part in parts[:-1]:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return False
+        model = _model_of(fields[part].annotation)
+    info = getattr(model, "model_fields", {}).get(parts[-1])
+    if info is None:
+        return False
+    annotation = info.annotation
+    if get_origin(annotation) in (Union, UnionType):  # str | None, Optional[Path]
+        kinds = {arg for arg in get_args(annotation) if arg is not type(None)}
+    else:  # list[str], dict[...] and the like are not text
+        kinds = {annotation} if get_origin(annotation) is None else {list}
+    return bool(kinds) and kinds <= {str, Path}
 
 
 def _model_of(annotation: Any) -> Any:

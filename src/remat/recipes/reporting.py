@@ -1,4 +1,5 @@
-"""What a run tells its user: the per-step log line, a progress bar on terminals, and a metrics file.
+"""What a run tells its user: the per-step log line, a progress bar on terminals, a metrics file, and optionally
+TensorBoard and Weights & Biases (`remat.recipes.metric_sinks`).
 
 The step line follows the seed documents' form, e.g.
 ``step 12 | epoch 0 | loss 3.2104 | grad_norm 1.82 | lr 2.0e-04 | mem 0.41 GiB | tps 5120 | num_label_tokens 2048``.
@@ -16,8 +17,8 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from remat.errors import ConfigError
 from remat.recipes.config import LoggingConfig
+from remat.recipes.metric_sinks import MetricSink, open_sinks
 
 GIB = 1024**3
 
@@ -36,12 +37,13 @@ class StepRecord:
     tps: float
     num_label_tokens: int
     step_time_s: float
+    skipped: bool = False  # the loss or gradient norm was NaN/inf and the update was not applied
 
     def line(self) -> str:
         return (
             f"step {self.step} | epoch {self.epoch} | loss {self.loss:.4f} | grad_norm {self.grad_norm:.2f} | "
             f"lr {self.lr:.1e} | mem {self.mem_bytes / GIB:.2f} GiB | tps {self.tps:.0f} | "
-            f"num_label_tokens {self.num_label_tokens}"
+            f"num_label_tokens {self.num_label_tokens}" + (" | skipped (not finite)" if self.skipped else "")
         )
 
 
@@ -55,7 +57,8 @@ class RunReporter:
     """
 
     def __init__(self, cfg: LoggingConfig, output_dir: Path, *, total_steps: int, start_step: int = 0,
-                 enabled: bool = True, stream: TextIO | None = None, attempt: int = 1) -> None:
+                 enabled: bool = True, stream: TextIO | None = None, recipe: dict[str, Any] | None = None,
+                 attempt: int = 1) -> None:
         self.cfg = cfg
         self.attempt = attempt
         self.enabled = enabled
@@ -63,7 +66,7 @@ class RunReporter:
         self._progress: Progress | None = None
         self._task: Any = None
         self._metrics: TextIO | None = None
-        self._tb: Any = None
+        self._sinks: list[MetricSink] = []
         if not enabled:
             return
         use_rich = cfg.progress == "rich" or (cfg.progress == "auto" and self.stream.isatty())
@@ -78,14 +81,7 @@ class RunReporter:
         if cfg.metrics_file:
             output_dir.mkdir(parents=True, exist_ok=True)
             self._metrics = open(output_dir / cfg.metrics_file, "a", encoding="utf-8")
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise ConfigError(
-                    "logging.tensorboard: true needs the tensorboard package: pip install 'remat[tensorboard]'"
-                ) from err
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=start_step + 1)
+        self._sinks = open_sinks(cfg, output_dir, recipe, start_step=start_step)
 
     def info(self, message: str) -> None:
         """A line of text for the user (above the progress bar when there is one)."""
@@ -104,18 +100,18 @@ class RunReporter:
         if self._progress is not None:
             self._progress.update(self._task, completed=record.step, status=f"loss {record.loss:.4f}")
         self._write({"kind": "train", "attempt": self.attempt, **asdict(record)})
-        if self._tb is not None:
-            for name in ("loss", "grad_norm", "lr", "tps"):
-                self._tb.add_scalar(f"train/{name}", getattr(record, name), record.step)
-            self._tb.add_scalar("train/mem_gib", record.mem_bytes / GIB, record.step)
+        values = {f"train/{name}": float(getattr(record, name)) for name in ("loss", "grad_norm", "lr", "tps")}
+        for sink in self._sinks:
+            sink.scalars(record.step, {**values, "train/mem_gib": record.mem_bytes / GIB})
 
     def validation(self, step: int, loss: float, num_label_tokens: int) -> None:
         if not self.enabled:
             return
         self.info(f"step {step} | val_loss {loss:.4f} | val_label_tokens {num_label_tokens}")
-        self._write({"kind": "validation", "attempt": self.attempt, "step": step, "val_loss": loss, "num_label_tokens": num_label_tokens})
-        if self._tb is not None:
-            self._tb.add_scalar("validation/loss", loss, step)
+        self._write({"kind": "validation", "attempt": self.attempt, "step": step, "val_loss": loss,
+                     "num_label_tokens": num_label_tokens})
+        for sink in self._sinks:
+            sink.scalars(step, {"validation/loss": loss})
 
     def _write(self, row: dict[str, Any]) -> None:
         if self._metrics is not None:
@@ -129,9 +125,9 @@ class RunReporter:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> RunReporter:
         return self

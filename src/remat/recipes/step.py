@@ -1,10 +1,13 @@
 """THE training step: forward+backward of each micro-batch (the loss normalised by the step's label tokens summed
-over the data-parallel ranks), gradient synchronisation on the last micro-batch, gradient clipping, the optimizer
-step, the learning-rate schedule and ``zero_grad``.
+over the data-parallel ranks), gradient synchronisation on the last micro-batch, gradient clipping, the numerics guard
+(`remat.recipes.numerics`: a step whose loss or gradient norm is NaN/inf is not applied), the optimizer step, the
+learning-rate schedule and ``zero_grad``.
 
 `remat.recipes.finetune.FinetuneRecipe` runs it on real tensors; the memory estimate (`remat.estimate.simulate`) runs
 it under ``FakeTensorMode``; `benchmarks/bench_estimate_cuda.py` runs it on a GPU. Nothing here reads a tensor's
-value (no ``.item()``), so the same code runs on fake tensors.
+value (no ``.item()``), so the same code runs on fake tensors: the loss and the gradient norm stay on the device.
+The one host sync left is the guard's for optimizers that cannot skip an update on the device (see
+`remat.recipes.numerics.step_unless`); fused Adam/AdamW/SGD skip it with ``found_inf``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from remat.distributed import DistributedSetup, clip_grad_norm_tensor
 from remat.recipes.model_loss import count_label_tokens
+from remat.recipes.numerics import nonfinite_flag, step_unless
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -26,12 +30,15 @@ Batch = Mapping[str, torch.Tensor]
 @dataclass
 class StepOutcome:
     """What one step produced: this rank's summed micro-batch losses and the gradient norm before clipping (both
-    0-dim tensors: convert them after the step), the learning rate it stepped with and the step's label tokens."""
+    0-dim tensors: convert them after the step), the learning rate it stepped with, the step's label tokens, and
+    ``skipped``: 1.0 (a 0-dim tensor, the same on every rank) when the loss or norm was NaN/inf and the optimizer's
+    update was not applied (the learning-rate schedule still moved on)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
     label_tokens: int
+    skipped: torch.Tensor
 
 
 def step_label_tokens(micro_batches: Sequence[Batch], setup: DistributedSetup) -> int:
@@ -72,7 +79,7 @@ def train_step(
     # (divided by the global label-token count), so scaling by dp_size turns that average into the sum.
     grad_scale = float(setup.dp_size)
     device_type = micro_batches[0]["input_ids"].device.type
-    total_loss = torch.zeros((), dtype=torch.float32)
+    total_loss: torch.Tensor | None = None
     count = len(micro_batches)
     for index, batch in enumerate(micro_batches):
         suffix = f" (micro-batch {index + 1})" if count > 1 else ""
@@ -82,13 +89,16 @@ def train_step(
                 loss = root(batch, num_label_tokens=max(label_tokens, 1))
             mark("backward" + suffix)
             (loss * grad_scale if grad_scale != 1.0 else loss).backward()
-        total_loss += loss.detach().float().cpu()
+        part = loss.detach().float()
+        total_loss = part if total_loss is None else total_loss + part
         del loss
     mark("optimizer step")
     grad_norm = clip_grad_norm_tensor(params, max_norm)
+    assert total_loss is not None, "train_step needs at least one micro-batch"
     lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
+    skipped = nonfinite_flag(total_loss, grad_norm, setup)
+    step_unless(optimizer, skipped)
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepOutcome(loss=total_loss, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens)
+    return StepOutcome(loss=total_loss, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens, skipped=skipped)

@@ -25,14 +25,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from remat.arguments import unknown_argument_hint
 from remat.errors import ConfigError
 
 ALLOWED_PACKAGES: tuple[str, ...] = ("remat", "torch", "transformers", "peft")
 
 # Names users carry over from other trainers, for "did you mean" hints that spelling distance would miss.
-COMMON_SYNONYMS: dict[str, str] = {"learning_rate": "lr", "wd": "weight_decay", "beta": "betas", "epsilon": "eps"}
-
-
 @dataclass(frozen=True)
 class TargetKind:
     """What a recipe key may build: ``accepts(obj)`` decides, ``what`` says it in error messages."""
@@ -181,9 +179,7 @@ def check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, key: str, pr
             raise ConfigError(f"{section}.{name}: set by remat itself, remove it from the recipe")
         if name not in params and not takes_var_kw:
             allowed = [n for n in accepted if n not in provided and n != "self"]
-            synonym = COMMON_SYNONYMS.get(name)
-            close = [synonym] if synonym in allowed else difflib.get_close_matches(name, allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else "."
+            hint = unknown_argument_hint(name, allowed)
             raise ConfigError(
                 f"{section}.{name}: unknown argument of {fn.__module__}.{getattr(fn, '__qualname__', fn)}{hint} "
                 f"Allowed: {', '.join(allowed)}"

@@ -39,8 +39,10 @@ class TrainingStateStore(Protocol):
         """Write ``step_<step>`` under ``root`` atomically; return its path."""
         ...
 
-    def load(self, path: Path, *, model: nn.Module, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
-        """Restore the states in place from ``path`` (a ``step_<N>`` directory or a root); return the train state."""
+    def load(self, path: Path, *, model: nn.Module, optimizer: Any, lr_scheduler: Any,
+             verify: bool = True) -> dict[str, Any]:
+        """Restore the states in place from ``path`` (a ``step_<N>`` directory or a root); return the train state.
+        `verify`: check every file's SHA-256 first (False when the caller already did)."""
         ...
 
 

@@ -28,10 +28,15 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from remat.errors import ConfigError
+from remat.recipes.training_state.digest import HASH_ALGORITHM, digests
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# Format 2 records each file's size and SHA-256 (`remat.recipes.training_state.verify` checks them on resume); format 1
+# (sizes only, written before content hashes existed) is still read, as unverified. The version was bumped rather
+# than an optional key added so that a format-2 marker missing a file's hash is broken, not silently unverified.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 LATEST_FILE = "latest"
 COMPLETE_MARKER = "COMPLETE.json"
 MODEL_DIR = "model"
@@ -83,23 +88,61 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
+def step_directories(root: Path) -> list[Path]:
+    """Every ``step_<N>`` directory under `root`, complete or not, oldest step first ([] if `root` is no directory)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), key=_step_of)
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a checkpoint directory's name, ``step_<N>``."""
+    return _STEP_DIR.match(name) is not None
+
+
 def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a finished checkpoint: its marker parses, names its step, and every file has its size."""
-    path = Path(path)
+    """Whether `path` is a finished checkpoint: its marker parses, names its step, and every file has its size
+    (contents are not hashed here: `remat.recipes.training_state.verify.verify_checkpoint` does that)."""
+    return incomplete_reason(Path(path)) is None
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why `path` is not a finished checkpoint (marker, step or a file's size), or None when it is one."""
     marker = read_marker(path)
-    if marker is None or marker.get("format") != FORMAT_VERSION:
-        return False
+    if marker is None:
+        return f"no readable {COMPLETE_MARKER}"
+    if marker.get("format") not in READABLE_FORMATS:
+        return f"{COMPLETE_MARKER} has format {marker.get('format')!r}, this remat reads {list(READABLE_FORMATS)}"
     match = _STEP_DIR.match(path.name)
     if match is None or int(match.group(1)) != marker.get("step"):
-        return False
-    files = marker.get("files")
-    if not isinstance(files, dict) or not files:
-        return False
-    for rel, size in files.items():
+        return f"{COMPLETE_MARKER} names step {marker.get('step')!r}, not the directory's"
+    records = marker_records(marker)
+    if not records:
+        return f"{COMPLETE_MARKER} lists no files"
+    for rel, (size, _) in records.items():
         file = path / rel
-        if not file.is_file() or file.stat().st_size != size:
-            return False
-    return True
+        if not file.is_file():
+            return f"{rel} is missing"
+        if file.stat().st_size != size:
+            return f"{rel} has {file.stat().st_size} bytes, {COMPLETE_MARKER} says {size}"
+    return None
+
+
+def marker_records(marker: dict[str, Any]) -> dict[str, tuple[int, str | None]] | None:
+    """``{relative path: (size, hex digest or None)}`` from a marker (format 1 has no digests); None if malformed."""
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return None
+    records: dict[str, tuple[int, str | None]] = {}
+    for rel, entry in files.items():
+        if marker.get("format") == 1 and isinstance(entry, int):
+            records[rel] = (entry, None)
+        elif isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(
+                entry.get(HASH_ALGORITHM), str):
+            records[rel] = (entry["size"], entry[HASH_ALGORITHM])
+        else:
+            return None
+    return records
 
 
 def checkpoint_layout(path: str | os.PathLike[str]) -> str:
@@ -186,9 +229,10 @@ def train_state_json(train_state: dict[str, Any]) -> str:
 
 def write_marker(directory: Path, step: int, *, peft: bool, layout: str = LAYOUT_SINGLE,
                   extra: dict[str, Any] | None = None) -> None:
-    files = {
-        p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()
-    }
+    """Write ``COMPLETE.json``: format, layout, step and every file's size and SHA-256 (hashed here, streamed)."""
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER]
+    files = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, HASH_ALGORITHM: digest}
+             for p, digest in zip(paths, digests(paths), strict=True)}
     marker = {"format": FORMAT_VERSION, "layout": layout, "step": step, "peft": peft, **(extra or {}), "files": files}
     (directory / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
@@ -218,7 +262,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def prune(root: Path, keep_last: int, *, keep: Path) -> None:
     """Delete complete checkpoints beyond `keep_last` (newest steps kept; `keep` always kept and counted). Only the
-    line that leads to `keep` counts: steps after it (not this run's) and ``archive/`` are never touched."""
+    line that leads to `keep` counts: steps after it (not this run's) and ``archive/`` are never touched.
+
+    `keep` is the checkpoint just written, hashed as it was written, so it is the newest one that verifies; when it
+    is not complete (its marker or a file missing) nothing is deleted."""
+    if not is_complete_checkpoint(keep):
+        logger.warning("not pruning %s: %s is not a complete checkpoint", root, keep)
+        return
     others = [p for p in list_checkpoints(root) if _step_of(p) < _step_of(keep)]
     for old in others[: max(0, len(others) - (keep_last - 1))]:
         trash = old.with_name(f"{_TRASH_PREFIX}{old.name}-{os.getpid()}")
@@ -285,7 +335,7 @@ def read_marker(path: Path) -> dict[str, Any] | None:
 def _read_latest_pointer(root: Path) -> str | None:
     try:
         name = (root / LATEST_FILE).read_text().strip()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: bytes that are not text
         return None
     return name if _STEP_DIR.match(name) else None
 

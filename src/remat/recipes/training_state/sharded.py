@@ -65,6 +65,7 @@ from remat.recipes.training_state.layout import (
     unwrap_model,
     write_marker,
 )
+from remat.recipes.training_state.verify import raise_if_unverified
 
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
@@ -125,15 +126,29 @@ def load_sharded_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG state from a sharded checkpoint; return the train
-    state. Works on any number of ranks (FSDP2), or in one process without a process group (DCP reshards)."""
+    state. Works on any number of ranks (FSDP2), or in one process without a process group (DCP reshards).
+
+    With `verify`, rank 0 checks every file's SHA-256 against the marker first and all ranks stop with the same
+    ConfigError when one differs (the resume path verifies beforehand and passes False). The small files are read
+    before the model and optimizer are touched."""
     path = resolve_checkpoint(Path(path))
+    if verify:
+        raise_if_unverified(path, agreed=True)
     marker = read_marker(path)
     assert marker is not None
     if marker.get("layout") != LAYOUT_SHARDED:
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
                           "remat.recipes.training_state.single.load_checkpoint")
+    train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
+    scheduler_state = (torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+                       if lr_scheduler is not None else None)
+    rng_file = path / RNG_DIR / f"rank_{_rank()}.pt"
+    if not rng_file.is_file():  # fewer ranks saved than now load: take rank 0's generators
+        rng_file = path / RNG_DIR / "rank_0.pt"
+    rng_state = torch.load(rng_file, map_location="cpu", weights_only=True)
     inner = unwrap_model(model)
     model_state, optim_state = _state_dicts(inner, optimizer)
     state: dict[str, Any] = {"model": model_state}
@@ -150,12 +165,9 @@ def load_sharded_checkpoint(
     else:
         set_state_dict(inner, (), model_state_dict=state["model"], optim_state_dict={})
     if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
-    rng_file = path / RNG_DIR / f"rank_{_rank()}.pt"
-    if not rng_file.is_file():  # fewer ranks saved than now load: take rank 0's generators
-        rng_file = path / RNG_DIR / "rank_0.pt"
-    restore_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
-    return json.loads((path / TRAIN_STATE_FILE).read_text())
+        lr_scheduler.load_state_dict(scheduler_state)
+    restore_rng_state(rng_state)
+    return train_state
 
 
 def export_full_model(model: nn.Module, directory: Path, *, tokenizer: Any | None = None) -> None:

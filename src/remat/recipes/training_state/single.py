@@ -64,6 +64,7 @@ from remat.recipes.training_state.layout import (
     unwrap_model,
     write_marker,
 )
+from remat.recipes.training_state.verify import raise_if_unverified
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +109,18 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Restore weights (the adapter for a peft model), optimizer, scheduler and RNG states; return the train state.
 
-    `path` is a ``step_<N>`` directory, or a checkpoint root (its latest checkpoint is loaded).
+    `path` is a ``step_<N>`` directory, or a checkpoint root (its latest checkpoint is loaded). With `verify` every
+    file's SHA-256 is checked against the marker first (ConfigError naming the file when one differs); the resume path
+    verifies beforehand (`remat.recipes.training_state.verify`) and passes False. The small files are read before
+    anything is restored, so a damaged one fails before the model or optimizer is touched.
     """
     path = resolve_checkpoint(Path(path))
+    if verify:
+        raise_if_unverified(path)
     marker = read_marker(path)
     assert marker is not None  # resolve_checkpoint only returns complete checkpoints
     if marker.get("layout", LAYOUT_SINGLE) != LAYOUT_SINGLE:
@@ -128,16 +135,20 @@ def load_checkpoint(
         saved = "a peft adapter" if marker.get("peft") else "full model weights"
         given = "a peft model" if is_peft else "a model without peft adapters"
         raise ConfigError(f"checkpoint {path} holds {saved} but {given} was given; build the model the same way.")
+    train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
+    rng_state = torch.load(path / RNG_STATE_FILE, map_location="cpu", weights_only=True)
+    optimizer_state = _read_state(path / OPTIMIZER_FILE, "optimizer") if optimizer is not None else None
+    scheduler_state = _read_state(path / SCHEDULER_FILE, "lr_scheduler") if lr_scheduler is not None else None
     if is_peft:
         _load_adapter(inner, path / ADAPTER_DIR)
     else:
         _load_model_weights(inner, path / MODEL_DIR)
     if optimizer is not None:
-        _load_state_into(optimizer, path / OPTIMIZER_FILE, "optimizer")
+        _load_state_into(optimizer, optimizer_state, path / OPTIMIZER_FILE, "optimizer")
     if lr_scheduler is not None:
-        _load_state_into(lr_scheduler, path / SCHEDULER_FILE, "lr_scheduler")
-    restore_rng_state(torch.load(path / RNG_STATE_FILE, map_location="cpu", weights_only=True))
-    return json.loads((path / TRAIN_STATE_FILE).read_text())
+        _load_state_into(lr_scheduler, scheduler_state, path / SCHEDULER_FILE, "lr_scheduler")
+    restore_rng_state(rng_state)
+    return train_state
 
 
 def _write_contents(
@@ -212,7 +223,13 @@ def _load_through_transformers(model: PreTrainedModel, directory: Path) -> None:
     dtype = next(model.parameters()).dtype
     with quiet_progress_bars():
         reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
-    result = model.load_state_dict(reference.state_dict(), strict=False)
+    try:
+        result = model.load_state_dict(reference.state_dict(), strict=False)
+    except RuntimeError as err:  # size mismatches: one line, not torch's list of every tensor
+        mismatches = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
+        raise ConfigError(
+            f"checkpoint weights in {directory} do not fit the model: {len(mismatches)} tensors have another shape "
+            f"(e.g. {mismatches[0] if mismatches else err}); build the model from the same config.") from None
     if result.unexpected_keys or set(result.missing_keys) - _tied_names(model):
         raise ConfigError(
             f"checkpoint weights in {directory} do not fit the model: missing {sorted(result.missing_keys)[:5]}, "
@@ -268,11 +285,15 @@ def _load_adapter(model: nn.Module, directory: Path) -> None:
     set_peft_model_state_dict(model, weights, adapter_name=adapter_name)
 
 
-def _load_state_into(target: Any, file: Path, what: str) -> None:
+def _read_state(file: Path, what: str) -> Any:
     if not file.is_file():
         raise ConfigError(f"checkpoint {file.parent} has no {file.name}, so the {what} state cannot be restored.")
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _load_state_into(target: Any, state: Any, file: Path, what: str) -> None:
     try:
-        target.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        target.load_state_dict(state)
     except (ValueError, KeyError) as err:
         raise ConfigError(f"the {what} state in {file} does not fit the {what} given: {err}") from err
 

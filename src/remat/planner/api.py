@@ -1,0 +1,134 @@
+"""Entry points: `plan_activation_checkpointing` (Python), `plan_recipe` / `load_planned_recipe` (recipes with
+``distributed.activation_checkpointing: auto``, resolved before the recipe is validated and built)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import ConfigError
+from remat.estimate.api import ModelLike, resolve_model, settings_from_recipe
+from remat.estimate.settings import StepSettings
+from remat.planner.budget import BudgetLike, parse_budget
+from remat.planner.planner import Planner
+from remat.planner.result import ActivationPlan
+from remat.recipes.config import RecipeConfig
+from remat.recipes.loader import apply_overrides, asks_for_auto, load_recipe_data, validate_recipe
+
+logger = logging.getLogger(__name__)
+
+_POLICY_KEY = "distributed.activation_checkpointing"
+
+
+def plan_activation_checkpointing(
+    model_or_recipe: RecipeConfig | nn.Module | ModelLike,
+    *,
+    memory_budget: BudgetLike = None,
+    example_batch: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
+    target: str | None = None,
+    flops_per_second: float | None = None,
+    all_candidates: bool = False,
+    **settings: Any,
+) -> ActivationPlan:
+    """The per-layer checkpointing plan with the least predicted recompute whose predicted step peak fits
+    ``memory_budget``; pass it to `remat.apply_activation_checkpointing(model, plan)`.
+
+    ``model_or_recipe``: a `RecipeConfig` or a recipe's YAML path (its step is planned), a model (its config and
+    parameter dtype are planned; weights are never read), or what `remat.estimate_memory` takes (a preset name, a
+    ``config.json``, a transformers config). ``example_batch`` (token ids ``[batch, seq]`` or a mapping with
+    ``input_ids``) gives the shape, or ``batch_size=`` / ``seq_length=``; other keyword arguments are
+    `remat.estimate.StepSettings` fields (``loss="fused"``, ``optimizer=...``, ``strategy="fsdp2"``,
+    ``world_size=8``, ``autocast="bfloat16"``). ``memory_budget``: bytes, a size (``"40GiB"``), a fraction of the
+    GPU's memory, or None for the GPU's memory minus a margin (a budget is required for the CPU). ``target``:
+    ``"cuda"`` or ``"cpu"`` (default: cuda when a GPU is visible). ``all_candidates`` prices every uniform policy
+    for ``plan.candidates`` (by default only those that could beat the chosen plan).
+    """
+    settings.update(_batch_shape(example_batch))
+    if isinstance(model_or_recipe, (str, Path)) and Path(model_or_recipe).suffix in (".yaml", ".yml"):
+        model_or_recipe = recipe_for_planning(load_recipe_data(model_or_recipe))
+    if isinstance(model_or_recipe, RecipeConfig):
+        return plan_recipe(model_or_recipe, budget=memory_budget, target=target, flops_per_second=flops_per_second,
+                           all_candidates=all_candidates, **settings)
+    if isinstance(model_or_recipe, nn.Module):
+        settings.setdefault("dtype", _dtype_name(model_or_recipe))
+        model_or_recipe = model_or_recipe.config
+    step = StepSettings(target=target or default_target("auto"), **settings)  # type: ignore[arg-type]
+    budget = parse_budget(memory_budget, device_bytes=device_bytes(step.target), key="memory_budget")
+    return Planner(resolve_model(model_or_recipe), step, flops_per_second).plan(budget, all_candidates=all_candidates)
+
+
+def load_planned_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = (), *,
+                        world_size: int | None = None) -> tuple[RecipeConfig, ActivationPlan | None]:
+    """Load a recipe like `remat.recipes.loader.load_recipe`; when its ``distributed.activation_checkpointing`` is
+    ``auto``, plan it for ``distributed.memory_budget`` (``world_size``: the processes the launch will start, for a
+    recipe without ``distributed.dp_size``) and return the recipe with the chosen per-layer policy, and the plan."""
+    data = load_recipe_data(path, overrides)
+    if not asks_for_auto(data):
+        return validate_recipe(data), None
+    probe = recipe_for_planning(data)
+    options = {"world_size": world_size} if world_size and probe.distributed.strategy != "single" else {}
+    plan = plan_recipe(probe, **options)
+    resolved = apply_overrides(data, [(_POLICY_KEY, plan.policy.to_dict())])
+    return validate_recipe(resolved), plan
+
+
+def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | None = None,
+                flops_per_second: float | None = None, all_candidates: bool = False,
+                **settings: Any) -> ActivationPlan:
+    """The plan for the step ``cfg`` trains (its policy ignored) under ``budget`` (default: the recipe's
+    ``distributed.memory_budget``)."""
+    target = target or default_target(cfg.distributed.device)
+    planner = planner_for_recipe(cfg, target=target, flops_per_second=flops_per_second, **settings)
+    return planner.plan(recipe_budget(cfg, budget, target), all_candidates=all_candidates)
+
+
+def planner_for_recipe(cfg: RecipeConfig, *, target: str | None = None, flops_per_second: float | None = None,
+                       **settings: Any) -> Planner:
+    """A `Planner` for the step ``cfg`` trains on ``target`` (default: the device the recipe would train on)."""
+    model, step = settings_from_recipe(cfg, target=target or default_target(cfg.distributed.device), **settings)
+    return Planner(model, step, flops_per_second)
+
+
+def recipe_budget(cfg: RecipeConfig, budget: BudgetLike, target: str) -> int:
+    """``budget`` (or the recipe's ``distributed.memory_budget``) in bytes for ``target``."""
+    value = budget if budget is not None else cfg.distributed.memory_budget
+    return parse_budget(value, device_bytes=device_bytes(target), key="distributed.memory_budget")
+
+
+def default_target(device: str) -> str:
+    """What a recipe's ``distributed.device`` trains on here: ``cpu``, or ``cuda`` (``auto`` with a GPU visible)."""
+    if device == "cpu":
+        return "cpu"
+    return "cuda" if device == "cuda" or torch.cuda.is_available() else "cpu"
+
+
+def device_bytes(target: str) -> int | None:
+    """The memory of the GPU this process would use, when planning for ``cuda`` with one visible; else None."""
+    if target != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def recipe_for_planning(data: Mapping[str, Any]) -> RecipeConfig:
+    """The recipe validated with ``auto`` replaced by ``none`` (the planner prices every policy itself)."""
+    return validate_recipe(apply_overrides(dict(data), [(_POLICY_KEY, "none")]) if asks_for_auto(data) else data)
+
+
+def _batch_shape(example_batch: torch.Tensor | Mapping[str, torch.Tensor] | None) -> dict[str, int]:
+    if example_batch is None:
+        return {}
+    ids = example_batch.get("input_ids") if isinstance(example_batch, Mapping) else example_batch
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ConfigError("example_batch: allowed: token ids of shape [batch, seq] or a mapping with such "
+                          f"'input_ids'; got {type(ids).__name__} {tuple(getattr(ids, 'shape', ()))}")
+    return {"batch_size": int(ids.shape[0]), "seq_length": int(ids.shape[1])}
+
+
+def _dtype_name(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return str(param.dtype).removeprefix("torch.") if param is not None else "float32"

@@ -1,0 +1,329 @@
+"""What each checkpointing mode costs one block: bytes it keeps for backward and FLOPs it recomputes, measured once
+on fake tensors.
+
+The recipe's model is built under ``FakeTensorMode`` (nothing allocated), its forward is run up to the first block
+of each distinct kind to capture that block's real call arguments (hidden states, position embeddings, mask), and
+then that block alone runs forward and backward once per mode, wrapped by `apply_activation_checkpointing` exactly
+as in training, inside a `LiveTensorTracker` (bytes) and torch's ``FlopCounterMode`` (FLOPs). Blocks of one kind
+(same class, parameter shapes, attention type and KV-sharing role) cost the same, so a 16-layer Llama measures one
+block. The bytes are those of the step the estimate simulates (same dtype, autocast and attention kernel: the CUDA
+kernel for ``target="cuda"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+import warnings
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from remat.checkpointing import Block, CheckpointPolicy, LayerOverride, apply_activation_checkpointing, find_blocks
+from remat.checkpointing.apply import remove_activation_checkpointing
+from remat.checkpointing.policy import Mode
+from remat.errors import ConfigError
+from remat.estimate.attention import CudaAttention
+from remat.estimate.simulate import SimulatedRun, make_batch, simulation_mode
+from remat.memory import LiveTensorTracker
+from remat.recipes.build import build_recipe_model
+from remat.recipes.config import RecipeConfig
+
+#: The per-block modes the planner chooses among, from keeping everything to recomputing the whole block.
+CANDIDATE_MODES: tuple[Mode, ...] = ("none", "attention", "mlp", "selective", "full")
+
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """One mode on one block: ``kept_bytes`` held from the block's forward until its backward (its output, the next
+    block's input, not included), ``recompute_flops`` that backward recomputes, ``backward_peak_bytes`` the most
+    the block's backward holds above what it kept (recomputed activations, gradients of its inputs)."""
+
+    mode: Mode
+    kept_bytes: int
+    recompute_flops: int
+    backward_peak_bytes: int
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """Blocks that cost the same: their indices and the cost of each candidate mode (modes the block cannot take,
+    e.g. ``attention`` without an attention sub-module, or that fall back to another, are left out)."""
+
+    name: str
+    indices: tuple[int, ...]
+    costs: tuple[ModeCost, ...]
+    flops: int
+    """Forward plus backward FLOPs of one block without checkpointing."""
+
+    def cost(self, mode: Mode) -> ModeCost:
+        """The cost of ``mode`` (KeyError when this kind cannot take it)."""
+        for cost in self.costs:
+            if cost.mode == mode:
+                return cost
+        raise KeyError(mode)
+
+
+@dataclass(frozen=True)
+class BlockMeasurements:
+    """Every block's kind, and what the step computes outside the blocks."""
+
+    block_names: tuple[str, ...]
+    kinds: tuple[BlockKind, ...]
+    head_flops: int
+    """FLOPs of the output projection, forward and backward (6 x tokens x hidden x vocabulary)."""
+    seconds: float
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_names)
+
+    def kind_of(self, index: int) -> BlockKind:
+        """The kind of block ``index``."""
+        return next(kind for kind in self.kinds if index in kind.indices)
+
+    @property
+    def step_flops(self) -> int:
+        """Forward plus backward FLOPs of one micro-batch without checkpointing (blocks and output projection)."""
+        return sum(kind.flops * len(kind.indices) for kind in self.kinds) + self.head_flops
+
+
+def measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurements:
+    """Measure every candidate mode on one block of each kind of ``recipe``'s model (see the module docstring)."""
+    with quiet_checkpointing_log():
+        return _measure_blocks(recipe, run)
+
+
+@contextlib.contextmanager
+def quiet_checkpointing_log() -> Iterator[None]:
+    """`apply_activation_checkpointing` logs each plan it applies at INFO; the planner applies many while it
+    measures and prices, and says itself what it chose."""
+    log = logging.getLogger("remat.checkpointing.apply")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurements:
+    start = time.perf_counter()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        torch.manual_seed(0)
+        net = build_recipe_model(recipe, vocab_size=run.vocab_size)
+    if recipe.distributed.activation_checkpointing.block_pattern is not None:
+        search = find_blocks(net, recipe.distributed.activation_checkpointing.block_pattern)
+    else:
+        search = find_blocks(net)
+    groups = _group_blocks(search.blocks)
+    vocab = int(net.config.get_text_config().vocab_size)
+    batch = make_batch(recipe, run, vocab)
+    calls = _capture_calls(net, [group[0] for group in groups], batch, fake, run)
+    compute_dtype = _compute_dtype(recipe)
+    kinds = []
+    for group in groups:
+        first = group[0]
+        raw = _measure_kind(net, first, calls[first.index], fake, run, compute_dtype)
+        base_flops = raw["none"][1]
+        kinds.append(BlockKind(
+            name=_kind_name(first, len(groups)),
+            indices=tuple(block.index for block in group),
+            costs=tuple(ModeCost(mode, kept, max(0, flops - base_flops), backward_peak)
+                        for mode, (kept, flops, backward_peak) in raw.items()),
+            flops=base_flops,
+        ))
+    hidden = int(net.config.get_text_config().hidden_size)
+    tokens = recipe.step_scheduler.local_batch_size * recipe.dataset.seq_length
+    return BlockMeasurements(
+        block_names=tuple(block.name for block in search.blocks), kinds=tuple(kinds),
+        head_flops=6 * tokens * hidden * vocab, seconds=time.perf_counter() - start,
+    )
+
+
+# --- one block, one mode -----------------------------------------------------------------------------------------
+
+
+def _measure_kind(net: nn.Module, block: Block, call: tuple[tuple[Any, ...], dict[str, Any]],
+                  fake: FakeTensorMode, run: SimulatedRun,
+                  compute_dtype: torch.dtype | None) -> dict[Mode, tuple[int, int, int]]:
+    """(kept bytes, forward + backward FLOPs, backward peak) per mode the block gets, ``none`` first; a mode that
+    falls back to one already measured (a KV-sharing producer's attention) is left out."""
+    out: dict[Mode, tuple[int, int, int]] = {}
+    for mode in CANDIDATE_MODES:
+        if (mode == "attention" and not block.attention) or (mode == "mlp" and not block.mlp):
+            continue
+        applied: Mode = mode
+        if mode != "none":
+            policy = CheckpointPolicy(mode="none", layers=(LayerOverride(block.index, block.index, mode),))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                applied = apply_activation_checkpointing(net, policy).layers[block.index].mode
+        try:
+            if applied not in out:
+                out[applied] = _run_block(block.module, call, fake, run, compute_dtype)
+        finally:
+            remove_activation_checkpointing(net)
+            for param in block.module.parameters():
+                param.grad = None
+    return out
+
+
+def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], fake: FakeTensorMode,
+               run: SimulatedRun, compute_dtype: torch.dtype | None) -> tuple[int, int, int]:
+    args, kwargs = call
+    with fake, _attention(run), simulation_mode(run.target), _autocast(compute_dtype):
+        hidden, args, kwargs = _fresh_hidden(args, kwargs)
+        with LiveTensorTracker() as tracker, FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+            result = module(*args, **kwargs)
+            output = result if isinstance(result, torch.Tensor) else next(
+                t for t in result if isinstance(t, torch.Tensor))
+            kept = tracker.current_bytes - output.untyped_storage().nbytes()
+            tracker.reset_peak()
+            output.backward(torch.ones_like(output))
+            backward_peak = tracker.peak_bytes - kept
+            del result, output, hidden
+    return kept, int(counter.get_total_flops()), backward_peak
+
+
+def _fresh_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, tuple[Any, ...],
+                                                                           dict[str, Any]]:
+    """The call with its hidden states replaced by a leaf that requires grad (so backward reaches the block), and
+    mappings among the arguments copied: blocks may write into them (KV-sharing layers store keys and values in a
+    dict that later layers read), and each measurement must start from what the forward passed."""
+    args = tuple(_copied(arg) for arg in args)
+    kwargs = {name: _copied(value) for name, value in kwargs.items()}
+    if args and isinstance(args[0], torch.Tensor):
+        hidden = args[0].detach().requires_grad_()
+        return hidden, (hidden, *args[1:]), kwargs
+    hidden = kwargs["hidden_states"].detach().requires_grad_()
+    return hidden, args, {**kwargs, "hidden_states": hidden}
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with mappings (dicts, transformers' ``KVSharingDict``) copied, recursively; tensors shared."""
+    if isinstance(value, MutableMapping):
+        out = copy.copy(value)
+        for key in list(value.keys()):
+            out[key] = _copied(value[key])
+        return out
+    return value
+
+
+class _Captured(Exception):
+    """Raised by the capture hook once every wanted block has been called: the rest of the forward is not run."""
+
+
+def _capture_calls(net: nn.Module, blocks: list[Block], batch: dict[str, torch.Tensor], fake: FakeTensorMode,
+                   run: SimulatedRun) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The arguments each of ``blocks`` is called with in the model's forward on ``batch``."""
+    calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    wanted = {block.index for block in blocks}
+
+    def hook(index: int) -> Any:
+        def capture(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls[index] = (tuple(_copied(arg) for arg in args), {k: _copied(v) for k, v in kwargs.items()})
+            if set(calls) >= wanted:
+                raise _Captured
+        return capture
+
+    handles = [block.module.register_forward_pre_hook(hook(block.index), with_kwargs=True) for block in blocks]
+    try:
+        with fake, _attention(run), simulation_mode(run.target), torch.no_grad():
+            net(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = wanted - set(calls)
+    if missing:
+        raise ConfigError(f"distributed.activation_checkpointing: the planner could not observe blocks "
+                          f"{sorted(missing)} in the model's forward; give a concrete policy instead of 'auto'")
+    return calls
+
+
+# --- grouping, dtypes, FLOP formulas -------------------------------------------------------------------------------
+
+
+def _group_blocks(blocks: tuple[Block, ...]) -> list[list[Block]]:
+    groups: dict[tuple[Any, ...], list[Block]] = {}
+    for block in blocks:
+        groups.setdefault(_kind_key(block), []).append(block)
+    return list(groups.values())
+
+
+def _kind_key(block: Block) -> tuple[Any, ...]:
+    shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in block.module.named_parameters())
+    attention_type = getattr(block.module, "attention_type", None)
+    return block.type_name, block.kv_sharing, block.is_moe, attention_type, shapes
+
+
+def _kind_name(block: Block, kinds: int) -> str:
+    if kinds == 1:
+        return block.type_name
+    extras = [str(x) for x in (getattr(block.module, "attention_type", None), block.kv_sharing) if x]
+    return f"{block.type_name} (block {block.index}{', ' + ', '.join(extras) if extras else ''})"
+
+
+def _compute_dtype(recipe: RecipeConfig) -> torch.dtype | None:
+    """The dtype blocks compute in: the autocast dtype, or FSDP2's mixed-precision parameter dtype."""
+    name = recipe.model.autocast or recipe.distributed.mixed_precision
+    return getattr(torch, name) if name else None
+
+
+def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _attention(run: SimulatedRun) -> contextlib.AbstractContextManager[Any]:
+    return CudaAttention() if run.target == "cuda" else contextlib.nullcontext()
+
+
+def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query, key, value))
+
+
+def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
+                                  out_shape: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out, query, key, value))
+
+
+def _grouped_mm_flops(mat_a: Any, mat_b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """``torch._grouped_mm`` (MoE experts): every row of ``mat_a`` meets one group of ``mat_b``."""
+    if len(mat_a) == 2 and len(mat_b) == 3:  # (tokens, k) x (groups, k, n)
+        return 2 * mat_a[0] * mat_a[1] * mat_b[2]
+    if len(mat_a) == 3 and len(mat_b) == 3:  # batched
+        return 2 * mat_a[0] * mat_a[1] * mat_a[2] * mat_b[2]
+    if len(mat_a) == 2 and len(mat_b) == 2:  # (m, tokens) x (tokens, n): weight gradients
+        return 2 * mat_a[0] * mat_a[1] * mat_b[1]
+    if len(mat_a) == 3 and len(mat_b) == 2:
+        return 2 * mat_a[0] * mat_a[1] * mat_a[2] * mat_b[1]
+    return 0
+
+
+def _flop_mapping() -> dict[Any, Any]:
+    """Formulas torch's FLOP counter lacks: the CPU attention kernel and its backward, and grouped matmuls."""
+    mapping: dict[Any, Any] = {
+        _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+    }
+    grouped = getattr(_aten, "_grouped_mm", None)
+    if grouped is not None:
+        mapping[grouped] = _grouped_mm_flops
+    return mapping
+
+
+FLOP_FORMULAS: dict[Any, Any] = _flop_mapping()
+"""``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` also counts CPU attention and MoE grouped matmuls."""
+

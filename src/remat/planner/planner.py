@@ -1,0 +1,234 @@
+"""`Planner`: the least predicted recompute whose predicted whole-step peak fits a memory budget, per block.
+
+1. Measure (once per recipe, `remat.planner.measure`): per block kind and candidate mode, the bytes kept for
+   backward and the FLOPs recomputed, on fake tensors.
+2. Choose (`remat.planner.choose`): over the Pareto frontier of per-block assignments, the one with the fewest
+   FLOPs that saves at least what the budget asks against the no-checkpointing peak (additive model: peak without
+   checkpointing minus the bytes saved).
+3. Confirm with the estimate (`remat.estimate`), the judge: the peak is not additive (the block being recomputed
+   holds its activations again; the peak may sit in the loss or the optimizer step). An assignment over budget asks
+   for its overshoot more; one well under budget asks for its slack less; at most `MAX_ESTIMATES_PER_BUDGET`
+   estimates per budget.
+4. Compare with the uniform policies (none, attention, mlp, selective, full, full every 2nd / 4th block), each
+   priced by the estimate: a fitting uniform policy with fewer FLOPs than the chosen mix replaces it, so the plan
+   never recomputes more than the best uniform policy that fits.
+
+Estimates are cached per policy, so planning several budgets for one recipe (`remat plan --budget ...`) reuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Final
+
+from remat.checkpointing import CheckpointingWarning, CheckpointPolicy
+from remat.checkpointing.policy import Mode
+from remat.errors import ConfigError
+from remat.estimate.api import MemoryEstimate, estimate_memory
+from remat.estimate.settings import LOSS_TARGETS, StepSettings
+from remat.models import ModelConfig
+from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
+from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
+from remat.planner.result import GIB, ActivationPlan, BlockChoice, Candidate
+
+logger = logging.getLogger(__name__)
+
+MAX_ESTIMATES_PER_BUDGET: Final[int] = 6
+"""Estimates the search may run for one budget (besides the uniform policies)."""
+
+DEFAULT_FLOPS_PER_SECOND: Final[dict[str, float]] = {"cuda": 4.0e14, "cpu": 5.0e10}
+"""Throughput recompute is priced at: ``cuda`` about 40% of an H100's dense bf16 peak (989 TFLOP/s), what eager
+transformer blocks reach; ``cpu`` a few cores. Only the reported seconds depend on it: the choice minimises FLOPs."""
+
+UNIFORM: Final[tuple[tuple[str, Mode, int], ...]] = (
+    ("none", "none", 1), ("attention", "attention", 1), ("mlp", "mlp", 1), ("selective", "selective", 1),
+    ("full", "full", 1), ("full every 2nd", "full", 2),
+)
+"""The uniform policies a plan is compared with: (label, mode, every N blocks)."""
+
+_RELAX_FRACTION: Final[float] = 0.02  # a fitting plan with more slack than this share of the budget tries cheaper
+
+
+@dataclass
+class Planner:
+    """Plans for one step (``model`` trained with ``settings``); `plan` answers one budget, reusing measurements and
+    estimates across calls."""
+
+    model: ModelConfig
+    settings: StepSettings
+    flops_per_second: float | None = None
+    measurements: BlockMeasurements = field(init=False)
+    _estimates: dict[str, MemoryEstimate] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.settings = dataclasses.replace(self.settings, policy="none")
+        self.settings.validate()
+        if self.flops_per_second is None:
+            self.flops_per_second = DEFAULT_FLOPS_PER_SECOND[self.settings.target]
+        elif not self.flops_per_second > 0:
+            raise ConfigError(f"flops_per_second: got {self.flops_per_second!r}; allowed: a number > 0")
+        recipe = self.settings.to_recipe(self.model)
+        self.measurements = measure_blocks(recipe, self.settings.run())
+        self._frontier = frontier(self.measurements)
+        logger.info("planner: measured %d block kind(s) of %d blocks in %.1f s; %d Pareto-optimal assignments",
+                    len(self.measurements.kinds), self.measurements.num_blocks, self.measurements.seconds,
+                    len(self._frontier))
+
+    # --- estimates ---------------------------------------------------------------------------------------------
+
+    def estimate(self, policy: CheckpointPolicy) -> MemoryEstimate:
+        """The estimate of the step under ``policy`` (cached)."""
+        key = repr(sorted(policy.to_dict().items()))
+        if key not in self._estimates:
+            settings = dataclasses.replace(self.settings, policy=policy.to_dict())
+            with quiet_checkpointing_log(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", CheckpointingWarning)  # e.g. selective on MoE blocks: priced, not used
+                estimate = estimate_memory(self.model, settings)
+            logger.info("planner: %s -> predicted peak %.2f GiB (%.1f s)", policy.describe(),
+                        estimate.peak_bytes / GIB, estimate.seconds)
+            self._estimates[key] = estimate
+        return self._estimates[key]
+
+    def uniform_candidates(self, budget_bytes: int) -> list[Candidate]:
+        """The uniform policies that apply to this model, each priced by the estimate."""
+        return [self._candidate(label, modes, budget_bytes, is_uniform=True) for label, modes in self._uniforms()]
+
+    def _uniforms(self) -> list[tuple[str, tuple[Mode, ...]]]:
+        """(label, per-block modes) of the `UNIFORM` policies that apply to this model."""
+        out = []
+        for label, mode, every in UNIFORM:
+            if every > 1 and every > self.measurements.num_blocks // 2:
+                continue
+            modes = uniform(self.measurements, mode, every)
+            if mode == "none" or any(m != "none" for m in modes):  # else no block has such a sub-module
+                out.append((label, modes))
+        return out
+
+    # --- planning ----------------------------------------------------------------------------------------------
+
+    def plan(self, budget_bytes: int, *, all_candidates: bool = False) -> ActivationPlan:
+        """The plan for ``budget_bytes`` (see the module docstring). ``all_candidates`` prices every uniform policy
+        (for a full frontier) instead of only those that could beat the chosen mix. Raises `ConfigError` when
+        nothing fits, saying what the smallest plan needs and what would help."""
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+            raise ConfigError(f"memory_budget: got {budget_bytes!r}; allowed: a number of bytes >= 1")
+        tried = self._search(budget_bytes)
+        fitting = [c for c in tried if c.fits]
+        best = min(fitting, key=lambda c: c.recompute_flops) if fitting else None
+        uniforms = self.uniform_candidates(budget_bytes) if all_candidates else self._cheaper_uniforms(best,
+                                                                                                   budget_bytes)
+        for candidate in uniforms:
+            if candidate.fits and (best is None or candidate.recompute_flops < best.recompute_flops):
+                best = candidate
+        candidates = _unique([*uniforms, *tried])
+        if best is None:
+            raise self._nothing_fits(budget_bytes, candidates)
+        return self._result(best, budget_bytes, candidates)
+
+    def _search(self, budget_bytes: int) -> list[Candidate]:
+        none = self._candidate("none", uniform(self.measurements, "none"), budget_bytes, is_uniform=True)
+        if none.fits:
+            return [none]
+        tried = [none]
+        needed = none.peak_bytes - budget_bytes
+        floor = 0  # more than the savings of every assignment found over budget
+        seen: set[tuple[Mode, ...]] = set()
+        for _ in range(MAX_ESTIMATES_PER_BUDGET):
+            choice = cheapest_saving(self._frontier, max(needed, floor))
+            if choice is None:
+                break
+            modes = assign(choice, self.measurements)
+            if modes in seen:
+                break
+            seen.add(modes)
+            candidate = self._candidate("plan", modes, budget_bytes, is_uniform=False)
+            tried.append(candidate)
+            if candidate.fits:
+                slack = budget_bytes - candidate.peak_bytes
+                if slack <= _RELAX_FRACTION * budget_bytes:
+                    break
+                needed = choice.saved_bytes - slack // 2
+            else:
+                floor = max(floor, choice.saved_bytes + 1)
+                needed = choice.saved_bytes + (candidate.peak_bytes - budget_bytes)
+        return tried
+
+    def _cheaper_uniforms(self, best: Candidate | None, budget_bytes: int) -> list[Candidate]:
+        """The uniform policies that could beat ``best`` (fewer FLOPs), each priced by the estimate."""
+        accumulation = self.settings.grad_accumulation
+        return [self._candidate(label, modes, budget_bytes, is_uniform=True) for label, modes in self._uniforms()
+                if best is None or totals(modes, self.measurements)[1] * accumulation < best.recompute_flops]
+
+    def _candidate(self, label: str, modes: tuple[Mode, ...], budget_bytes: int, *, is_uniform: bool) -> Candidate:
+        policy = _uniform_policy(modes) if is_uniform else policy_of(modes)
+        estimate = self.estimate(policy)
+        flops = totals(modes, self.measurements)[1] * self.settings.grad_accumulation
+        return Candidate(label, policy, modes, estimate.peak_bytes, flops, estimate.peak_bytes <= budget_bytes,
+                         is_uniform)
+
+    def _result(self, best: Candidate, budget_bytes: int, candidates: list[Candidate]) -> ActivationPlan:
+        m = self.measurements
+        blocks = []
+        for index, name in enumerate(m.block_names):
+            kind = m.kind_of(index)
+            mode = best.modes[index]
+            cost, none = kind.cost(mode), kind.cost("none")
+            blocks.append(BlockChoice(index=index, name=name, kind=kind.name, mode=mode, kept_bytes=cost.kept_bytes,
+                                      saved_bytes=none.kept_bytes - cost.kept_bytes,
+                                      recompute_flops=cost.recompute_flops))
+        notes = ["offloading what a block keeps is not chosen: the estimate does not model host offload yet"]
+        if self.settings.grad_accumulation > 1:
+            notes.append(f"FLOPs are per optimizer step ({self.settings.grad_accumulation} micro-batches); bytes "
+                         "per micro-batch")
+        assert self.flops_per_second is not None
+        return ActivationPlan(
+            policy=best.policy, budget_bytes=budget_bytes, peak_bytes=best.peak_bytes,
+            recompute_flops=best.recompute_flops, step_flops=m.step_flops * self.settings.grad_accumulation,
+            flops_per_second=self.flops_per_second, target=self.settings.target, blocks=tuple(blocks),
+            candidates=tuple(candidates), notes=tuple(notes),
+        )
+
+    def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate]) -> ConfigError:
+        smallest = min([*candidates, *self.uniform_candidates(budget_bytes)],
+                       key=lambda c: (c.peak_bytes, c.recompute_flops))
+        s = self.settings
+        helps = []
+        if s.batch_size > 1:
+            helps.append(f"a smaller micro-batch (step_scheduler.local_batch_size, now {s.batch_size})")
+        if s.strategy != "fsdp2":
+            helps.append("FSDP (distributed.strategy: fsdp2 shards parameters, gradients and optimizer state "
+                         "over the ranks)")
+        elif s.world_size > 1:
+            helps.append(f"more FSDP ranks (now {s.world_size})")
+        if LOSS_TARGETS.get(s.loss, s.loss) != LOSS_TARGETS["fused"]:
+            helps.append("the fused loss (loss_fn._target_: remat.loss.FusedLinearCrossEntropy never holds the "
+                         "logits)")
+        if s.seq_length > 2:
+            helps.append(f"shorter sequences (dataset.seq_length, now {s.seq_length})")
+        return ConfigError(
+            f"distributed.memory_budget: nothing fits {budget_bytes / GIB:.2f} GiB; the smallest plan "
+            f"({smallest.label}: {smallest.policy.describe()}) needs {smallest.peak_bytes / GIB:.2f} GiB predicted. "
+            f"What would help: {'; '.join(helps)}")
+
+
+def _uniform_policy(modes: tuple[Mode, ...]) -> CheckpointPolicy:
+    """One mode on every N-th block spelled as such (``{mode: full, every_n_layers: 2}``) when ``modes`` follow
+    that pattern, else per layer (some blocks could not take the mode)."""
+    active = [mode for mode in modes if mode != "none"]
+    if not active:
+        return CheckpointPolicy(mode="none")
+    for every in range(1, len(modes) + 1):
+        if tuple(active[0] if i % every == 0 else "none" for i in range(len(modes))) == modes:
+            return CheckpointPolicy(mode=active[0], every_n_layers=every)
+    return policy_of(modes)
+
+
+def _unique(candidates: list[Candidate]) -> list[Candidate]:
+    """One entry per policy (the first label given to it wins: uniform names before "plan")."""
+    seen: dict[str, Candidate] = {}
+    for candidate in candidates:
+        seen.setdefault(repr(sorted(candidate.policy.to_dict().items())), candidate)
+    return list(seen.values())

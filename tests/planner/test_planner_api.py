@@ -1,0 +1,214 @@
+"""The planner's parts and entry points: budgets, the frontier (against brute force), placement and policy
+spelling, `plan_activation_checkpointing` with `apply_activation_checkpointing`, recipes with ``auto``, the error when
+nothing fits, and `remat plan` with --json / --png."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from remat.checkpointing import CheckpointPolicy, apply_activation_checkpointing, parse_policy
+from remat.errors import ConfigError
+from remat.planner import DEFAULT_MARGIN, ActivationPlan, load_planned_recipe, parse_budget
+from remat.planner import plan_activation_checkpointing
+from remat.planner.choose import Assignment, assign, cheapest_saving, frontier, policy_of
+from remat.planner.measure import BlockKind, BlockMeasurements, ModeCost
+from remat.recipes.loader import validate_recipe
+
+GIB = 2**30
+#: A small Llama that plans in a few seconds: 4 blocks, hidden 64, vocabulary 512.
+SMALL = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                                            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}}
+
+
+# --- budgets -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "device", "expected"), [
+    (40 * GIB, None, 40 * GIB), ("40GiB", None, 40 * GIB), ("24 GB", None, 24 * 10**9), (0.5, 80 * GIB, 40 * GIB),
+    ("0.25", 80 * GIB, 20 * GIB), (None, 80 * GIB, int(80 * GIB * (1 - DEFAULT_MARGIN))), ("4194304", None, 2**22),
+])
+def test_budgets_are_bytes_sizes_or_fractions(value: Any, device: int | None, expected: int) -> None:
+    assert parse_budget(value, device_bytes=device) == expected
+
+
+@pytest.mark.parametrize(("value", "device", "message"), [
+    (None, None, r"memory_budget: required here: planning for the CPU"),
+    (0.8, None, r"memory_budget: got the fraction 0.8, but no device memory is known"),
+    (1.5, 80 * GIB, r"memory_budget: got 1.5; a fraction of the device's memory must be in \(0, 1\]"),
+    (80, None, r"memory_budget: got 80 bytes, less than 1 MiB; write a unit \(e.g. 80GiB\)"),
+    ("80 gigs", None, r"memory_budget: got '80 gigs'; allowed: a number with a unit"),
+    (True, None, r"memory_budget: got True"),
+])
+def test_bad_budgets_are_refused_naming_the_key(value: Any, device: int | None, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_budget(value, device_bytes=device)
+
+
+# --- choosing --------------------------------------------------------------------------------------------------
+
+
+def _measurements() -> BlockMeasurements:
+    """Two kinds of blocks with made-up costs (kept bytes, recompute FLOPs) where no mode dominates all others."""
+    a = BlockKind("A", (0, 2, 4), (ModeCost("none", 100, 0, 0), ModeCost("mlp", 60, 30, 0),
+                                   ModeCost("selective", 35, 45, 0), ModeCost("full", 0, 100, 0)), flops=300)
+    b = BlockKind("B", (1, 3), (ModeCost("none", 80, 0, 0), ModeCost("attention", 50, 10, 0),
+                                ModeCost("full", 0, 90, 0)), flops=200)
+    return BlockMeasurements(tuple(f"layers.{i}" for i in range(5)), (a, b), head_flops=50, seconds=0.0)
+
+
+def test_the_frontier_gives_the_cheapest_assignment_for_every_need() -> None:
+    m = _measurements()
+    options = frontier(m)
+    per_block = [[(m.kind_of(i).cost("none").kept_bytes - c.kept_bytes, c.recompute_flops)
+                  for c in m.kind_of(i).costs] for i in range(m.num_blocks)]
+    every = [tuple(map(sum, zip(*combo))) for combo in itertools.product(*per_block)]  # (saved, flops)
+    for needed in range(0, 481, 7):
+        brute = min((flops for saved, flops in every if saved >= needed), default=None)
+        choice = cheapest_saving(options, needed)
+        assert (choice.recompute_flops if choice else None) == brute, needed
+    assert cheapest_saving(options, 481) is None  # more than keeping nothing saves
+
+
+def test_modes_that_keep_least_go_to_the_earliest_blocks_of_a_kind() -> None:
+    m = _measurements()
+    # kind A: one block each of mlp, selective and full; kind B: one none, one attention
+    modes = assign(Assignment(((0, 1, 1, 1), (1, 1, 0)), saved_bytes=0, recompute_flops=0), m)
+    assert modes == ("full", "attention", "selective", "none", "mlp")
+
+
+def test_a_per_layer_assignment_is_spelled_as_the_shortest_policy() -> None:
+    assert policy_of(("full",) * 4) == CheckpointPolicy(mode="full")
+    policy = policy_of(("full", "full", "selective", "none", "none", "none"))
+    assert policy.to_dict() == {"mode": "none", "layers": {"0-1": "full", "2": "selective"}}
+    assert parse_policy(policy.to_dict()) == policy
+
+
+# --- entry points --------------------------------------------------------------------------------------------
+
+
+def _tiny_model() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **{k: v for k, v in SMALL["config"].items()},
+                                  max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_a_plan_for_a_model_is_applied_by_apply_activation_checkpointing() -> None:
+    model = _tiny_model()
+    ids = torch.randint(0, 512, (2, 128))
+    roomy = plan_activation_checkpointing(model, memory_budget="1GiB", example_batch=ids, target="cpu",
+                                          all_candidates=True)
+    assert roomy.policy == CheckpointPolicy(mode="none") and roomy.recompute_flops == 0
+    none, full = (next(c.peak_bytes for c in roomy.candidates if c.label == label) for label in ("none", "full"))
+    tight = plan_activation_checkpointing(model, memory_budget=(none + full) // 2, example_batch={"input_ids": ids},
+                                          target="cpu")
+    assert isinstance(tight, ActivationPlan) and tight.peak_bytes <= tight.budget_bytes < none
+    assert 0 < tight.recompute_flops and [b.mode for b in tight.blocks] != ["none"] * 4
+    applied = apply_activation_checkpointing(model, tight)
+    assert applied.policy == tight.policy
+    assert [layer.mode for layer in applied.layers] == [b.mode for b in tight.blocks]
+    assert json.loads(tight.to_json())["predicted_peak_bytes"] == tight.peak_bytes
+
+
+def test_nothing_fits_names_the_smallest_plan_and_what_would_help() -> None:
+    with pytest.raises(ConfigError, match=r"distributed.memory_budget: nothing fits 0.00 GiB; the smallest plan "
+                                          r"\(full: full\) needs 0.\d\d GiB predicted\. What would help: a smaller "
+                                          r"micro-batch .*FSDP.*the fused loss"):
+        plan_activation_checkpointing("tiny-llama", memory_budget=2**20, batch_size=4, seq_length=512, target="cpu")
+
+
+def _recipe_file(tmp_path: Path, **distributed: Any) -> Path:
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "run"), "model": SMALL, "tokenizer": {"vocab_size": 512},
+        "dataset": {"seq_length": 128}, "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2,
+                                                           "max_steps": 2},
+        "checkpoint": {"enabled": False}, "logging": {"progress": "plain", "metrics_file": None},
+        "distributed": {"device": "cpu", **distributed},
+    }))
+    return path
+
+
+def test_auto_in_a_recipe_is_resolved_before_validation(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing: 'auto' is chosen by the planner"):
+        validate_recipe({"model": SMALL, "distributed": {"activation_checkpointing": "auto"}})
+    with pytest.raises(ConfigError, match=r"distributed.memory_budget: required here: planning for the CPU"):
+        load_planned_recipe(_recipe_file(tmp_path, activation_checkpointing="auto"))
+    cfg, plan = load_planned_recipe(_recipe_file(tmp_path, activation_checkpointing="auto", memory_budget="2GiB"))
+    assert plan is not None and plan.budget_bytes == 2 * GIB
+    assert cfg.distributed.activation_checkpointing == plan.policy == CheckpointPolicy(mode="none")
+    cfg, plan = load_planned_recipe(_recipe_file(tmp_path, activation_checkpointing="full"))
+    assert plan is None and cfg.distributed.activation_checkpointing == CheckpointPolicy(mode="full")
+
+
+def test_remat_finetune_trains_an_auto_recipe_within_its_budget(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from remat.cli import main
+    from remat.planner import planner_for_recipe
+    from remat.planner.api import recipe_for_planning
+    from remat.recipes.loader import load_recipe_data
+
+    path = _recipe_file(tmp_path, activation_checkpointing="auto")
+    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(path)))
+    none, full = (planner.estimate(CheckpointPolicy(mode=mode)).peak_bytes for mode in ("none", "full"))
+    budget = full + (none - full) // 3
+    with caplog.at_level("INFO", logger="remat.commands.finetune"):
+        assert main(["finetune", str(path), "--distributed.memory_budget", str(budget), "--logging.memory", "tracked",
+                     "--logging.metrics_file", "m.jsonl"]) == 0
+    assert any("activation checkpointing 'auto' planned" in r.getMessage() for r in caplog.records)
+    records = [json.loads(line) for line in (tmp_path / "run" / "m.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "mem_bytes" in r]
+    assert len(steps) == 2 and all(r["mem_bytes"] <= budget for r in steps), (steps, budget)
+    assert max(r["mem_bytes"] for r in steps) > full  # the plan used the room it had: not full checkpointing
+
+
+def test_remat_plan_answers_several_budgets_as_json_and_png(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from remat.cli import main
+
+    path = _recipe_file(tmp_path, activation_checkpointing="auto")
+    out = tmp_path / "plan.json"
+    png = tmp_path / "plan.png"
+    code = main(["plan", str(path), "--budget", "1GiB", "--budget", "0.1GiB", "--budget", "1MiB", "--json",
+                 str(out), "--png", str(png)])
+    assert code == 1  # the 1 MiB budget: nothing fits
+    printed = capsys.readouterr().out
+    assert "frontier: uniform policies" in printed and "budget 1.00 GiB:" in printed and "nothing fits" in printed
+    report = json.loads(out.read_text())
+    assert report["target"] == "cpu"
+    assert [row["label"] for row in report["frontier"]] == ["none", "attention", "mlp", "selective", "full",
+                                                            "full every 2nd"]
+    roomy, tight, impossible = report["budgets"]
+    assert roomy["policy"] == {"mode": "none"} and roomy["recompute_flops"] == 0
+    assert tight["predicted_peak_bytes"] <= tight["budget_bytes"] == int(0.1 * GIB)
+    assert len(tight["blocks"]) == 4 and {"mode", "offload", "saved_bytes", "recompute_flops"} <= set(
+        tight["blocks"][0])
+    assert "nothing fits" in impossible["error"] and impossible["budget_bytes"] == 2**20
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kv_sharing_blocks_are_measured_as_their_own_kinds_with_their_fallbacks() -> None:
+    """Gemma 3n: the layers that store keys/values for later layers cannot recompute their attention (they would
+    write the shared keys/values twice), so only none and mlp are theirs; the layers that reuse them take every mode.
+    The shared key/value dict is copied for each measurement (each block writes into it)."""
+    from remat.estimate import StepSettings
+    from remat.models import ModelConfig
+    from remat.planner.measure import measure_blocks
+
+    settings = StepSettings(batch_size=1, seq_length=64, target="cpu")
+    m = measure_blocks(settings.to_recipe(ModelConfig(preset="tiny-gemma3n")), settings.run())
+    store, reuse = m.kinds
+    assert (store.indices, reuse.indices) == ((0, 1), (2, 3))
+    assert [c.mode for c in store.costs] == ["none", "mlp"]
+    assert [c.mode for c in reuse.costs] == ["none", "attention", "mlp", "selective", "full"]
+    assert reuse.cost("full").kept_bytes == 0 < reuse.cost("selective").kept_bytes < reuse.cost("none").kept_bytes
+    assert 0 < reuse.cost("attention").recompute_flops < reuse.cost("full").recompute_flops

@@ -1,0 +1,59 @@
+"""Paths a run cannot write are one line naming the key, before anything is built."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from remat.errors import ConfigError
+from remat.recipes.finetune import FinetuneRecipe
+from remat.recipes.loader import validate_recipe
+from remat.recipes.output_paths import OutputPaths, make_writable_dir
+
+
+def _paths(root: Path, metrics: str | None = "metrics.jsonl", checkpoint_dir: str | None = None) -> OutputPaths:
+    return OutputPaths.of(str(root), checkpoint_dir, True, metrics)
+
+
+def test_directories_are_created(tmp_path: Path) -> None:
+    paths = _paths(tmp_path / "run", metrics="logs/m.jsonl")
+    paths.prepare()
+    assert (tmp_path / "run" / "checkpoints").is_dir() and (tmp_path / "run" / "logs").is_dir()
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda t: _paths(t / "file"), r"output_dir: '.*file' is the regular file '.*file', not a directory"),
+    (lambda t: _paths(t / "file" / "run"), r"output_dir: '.*run' is under the regular file '.*file'"),
+    (lambda t: _paths(t / "ok", checkpoint_dir=str(t / "file" / "ckpt")),
+     r"checkpoint.checkpoint_dir: '.*ckpt' is under the regular file"),
+    (lambda t: _paths(t / "ok", metrics="afile/m.jsonl"), r"logging.metrics_file: '.*afile' is the regular file"),
+    (lambda t: _paths(t / "ok", metrics="sub"), r"logging.metrics_file: '.*sub' exists and is not a file"),
+])
+def test_unwritable_paths_name_the_key(tmp_path: Path, make, message: str) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "ok" / "sub").mkdir(parents=True)
+    (tmp_path / "ok" / "afile").write_text("x")
+    with pytest.raises(ConfigError, match=message):
+        make(tmp_path).prepare()
+
+
+@pytest.mark.parametrize(("code", "reason"), [
+    (errno.EROFS, "the file system is read-only"), (errno.EACCES, "permission denied"),
+    (errno.ENOSPC, "no space left on the device"),
+])
+def test_os_refusals_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, reason: str) -> None:
+    def refuse(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(code, "refused")
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ConfigError, match=rf"^output_dir: cannot create '.*new': {reason}"):
+        make_writable_dir(tmp_path / "new", "output_dir")
+
+
+def test_the_recipe_checks_its_paths_before_building_anything(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cfg = validate_recipe({"model": {"preset": "tiny-llama"}, "output_dir": str(tmp_path / "file")})
+    with pytest.raises(ConfigError, match="output_dir: .* is the regular file"):
+        FinetuneRecipe(cfg)

@@ -1,0 +1,39 @@
+"""What the README and the examples say matches what the code does: the sample log line is a line the run prints, and
+every docs section an example points to exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from remat.recipes.reporting import GIB, StepRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE = re.compile(r"step (\d+) \| epoch (\d+) \| loss ([\d.]+) \| grad_norm ([\d.]+) \| lr ([\d.e+-]+) \| "
+                  r"mem ([\d.]+) GiB \| tps (\d+) \| num_label_tokens (\d+)")
+
+
+def test_the_readme_sample_line_is_a_line_the_run_prints() -> None:
+    readme = (ROOT / "README.md").read_text()
+    match = LINE.search(readme)
+    assert match is not None, "README shows no step line"
+    step, epoch, loss, norm, lr, mem, tps, tokens = match.groups()
+    record = StepRecord(step=int(step), epoch=int(epoch), loss=float(loss), grad_norm=float(norm), lr=float(lr),
+                        mem_bytes=round(float(mem) * GIB), mem_source="tracked", tps=float(tps),
+                        num_label_tokens=int(tokens), step_time_s=1.0)
+    assert record.line() == match.group(0)
+    quickstart = (ROOT / "examples" / "quickstart.yaml").read_text()
+    seq_length = int(re.search(r"seq_length:\s*(\d+)", quickstart).group(1))  # type: ignore[union-attr]
+    batch = int(re.search(r"global_batch_size:\s*(\d+)", quickstart).group(1))  # type: ignore[union-attr]
+    assert int(tokens) <= seq_length * batch  # a figure the quick start can produce
+
+
+def test_every_docs_section_an_example_points_to_exists() -> None:
+    pointers = 0
+    for example in sorted((ROOT / "examples").glob("*.yaml")):
+        text = " ".join(line.lstrip("# ") for line in example.read_text().splitlines())
+        for doc, section in re.findall(r"(docs/[\w-]+\.md), \"([^\"]+)\"", text):
+            headings = re.findall(r"^#+ (.+)$", (ROOT / doc).read_text(), flags=re.M)
+            assert section in headings, f"{example.name} points to {doc} section {section!r}, which does not exist"
+            pointers += 1
+    assert pointers >= 1
