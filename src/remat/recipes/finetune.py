@@ -90,7 +90,7 @@ class FinetuneRecipe:
         _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
         # Every rank, before the process group and anything else: a path that cannot be written is one line.
         OutputPaths.of(cfg.output_dir, cfg.checkpoint.checkpoint_dir, cfg.checkpoint.enabled,
-                       cfg.logging.metrics_file).prepare()
+                       cfg.logging.metrics_file).check()
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = checkpoint_directory(cfg)

@@ -79,7 +79,7 @@ class RunReporter:
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
         if cfg.metrics_file:
-            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / cfg.metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self._metrics = open(output_dir / cfg.metrics_file, "a", encoding="utf-8")
         self._sinks = open_sinks(cfg, output_dir, recipe, start_step=start_step)
 
