@@ -344,15 +344,16 @@ def test_pruning_keeps_the_newest_checkpoint_that_verifies(tmp_path: Path) -> No
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))  # same size: complete, but does not verify
     assert verify_checkpoint(tmp_path / "step_4") is not None
-    # A run that fell back to step_2 saves step_3: that one verifies and survives any keep_last.
+    # A run that fell back to step_2 saves step_3: that one verifies and survives any keep_last; the newer step_4 is
+    # not this line's, so pruning never touches it (a resume moves broken ones aside itself).
     resumed = save_checkpoint(tmp_path, 3, model=model, train_state={"step": 3}, keep_last=1)
     assert verify_checkpoint(resumed) is None
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3", "step_4"]
     # Asked to keep a checkpoint that is not complete, pruning deletes nothing.
     save_checkpoint(tmp_path, 5, model=model, train_state={"step": 5}, keep_last=None)
     (tmp_path / "step_5" / COMPLETE_MARKER).unlink()
     prune(tmp_path, 1, keep=tmp_path / "step_5")
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3"] and (tmp_path / "step_5").is_dir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3", "step_4"] and (tmp_path / "step_5").is_dir()
 
 
 def test_rng_state_loads_with_weights_only(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build
 from remat.data.fingerprint import dataset_fingerprint
 from remat.data.loader import collate
 from remat.distributed import ProcessEnv, validate_settings
-from remat.errors import ConfigError
+from remat.errors import ConfigError, RematError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
@@ -102,8 +102,16 @@ class FinetuneRecipe:
     def setup(self) -> None:
         """Build tokenizer, data, model (+LoRA, checkpointing), optimizer, schedule and loss; resume if asked. First
         takes the run's directory locks (`remat.recipes.run_lock`; ``run`` or ``release_run_locks`` lets them go)."""
-        cfg = self.cfg
         self._take_run_locks()
+        try:
+            self._build()
+        except RematError:  # refused before training (a changed recipe, a bad checkpoint...): leave no trace
+            if self.run_locks is not None:
+                self.run_locks.abandon()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         _seed_everything(cfg.seed)
         with self.dist.local_main_first():  # one process per node trains/caches the tokenizer, the others load it
             self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)

@@ -94,6 +94,24 @@ class RunLocks:
     attempt: int = 1
     notes: list[str] = field(default_factory=list)
     _held: list[tuple[IO[str], LockHolder]] = field(default_factory=list)
+    _before: dict[int, tuple[Path, str | None, tuple[int, int]]] = field(default_factory=dict)
+
+    def abandon(self) -> None:
+        """Let go as if this run had never started (it was refused during setup, before training): each lock file
+        gets back the body and times it had, or is removed if this run created it; the attempt is not counted."""
+        while self._held:
+            handle, _ = self._held.pop()
+            path, text, times = self._before.pop(id(handle), (None, None, (0, 0)))
+            with suppress(OSError):
+                if path is not None and text is None:
+                    path.unlink()
+                elif path is not None:
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.write(text)
+                    handle.flush()
+                    os.utime(path, ns=times)
+            handle.close()
 
     def release(self) -> None:
         while self._held:
@@ -183,15 +201,19 @@ def _lock_one(key: str, directory: Path, me: LockHolder, locks: RunLocks) -> Loc
         _lock_unsupported(key, directory, "this system has no fcntl.flock", locks)
         return None
     directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+    path = directory / LOCK_FILE
+    existed = path.exists()
+    times = (path.stat().st_atime_ns, path.stat().st_mtime_ns) if existed else (0, 0)
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
     unsupported = _flock_or_refuse(key, directory, handle)
     if unsupported is not None:
         _lock_unsupported(key, directory, unsupported, locks)
         return None
     locks._held.append((handle, me))
     handle.seek(0)
-    previous = LockHolder.from_text(handle.read())
-    return previous
+    text = handle.read()
+    locks._before[id(handle)] = (path, text if existed else None, times)
+    return LockHolder.from_text(text)
 
 
 def refuse_if_held(directories: dict[str, Path]) -> None:
