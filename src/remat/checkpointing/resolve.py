@@ -29,7 +29,10 @@ def resolve_plan(policy: CheckpointPolicy, search: BlockSearch, model_class: str
     _check_fits(policy, len(blocks))
     requests = [_request(policy, i) for i in range(len(blocks))]
     segment_of = _segments(policy, blocks)
-    layers = [_layer(block, requests[block.index], segment_of.get(block.index)) for block in blocks]
+    layers = [
+        _with_tiling(_layer(block, requests[block.index], segment_of.get(block.index)), block, policy)
+        for block in blocks
+    ]
     layers = _split_segments_at_fallbacks(layers)
     notes = list(_notes(policy, blocks, layers, search))
     plan = CheckpointPlan(policy, model_class, tuple(layers), search.container, tuple(notes))
@@ -105,6 +108,28 @@ def _layer(block: Block, request: _Request, segment: tuple[int, int] | None) -> 
     )
 
 
+def _with_tiling(layer: LayerPlan, block: Block, policy: CheckpointPolicy) -> LayerPlan:
+    """``layer`` with its MLP tiled when the policy asks for tiling and the block is treated at all."""
+    if not policy.tiled or layer.mode == "none":
+        return layer
+    where = f"block {block.index} ({block.name}, {block.type_name})"
+    if block.is_moe:
+        raise CheckpointingError(
+            f"policy.tiled: {where} is a mixture-of-experts block: its router groups the tokens per expert and its "
+            "load-balancing loss is taken over all of them, so running it over chunks of the sequence changes what "
+            "it computes; each expert already sees only its share of the tokens. Leave tiled off for this model, "
+            "or turn it off for such blocks with a per-layer exception (layers: {N: full})"
+        )
+    if not block.mlp:
+        raise CheckpointingError(
+            f"policy.tiled: no MLP sub-module found in {where}; searched children named {', '.join(MLP_NAMES)} and "
+            "sub-modules whose class name says mlp / feedforward / ffn. Leave tiled off for this model"
+        )
+    mlps = tuple(f"{block.name}.{sub}" for sub in block.mlp)
+    wrapped = layer.wrapped + tuple(name for name in mlps if name not in layer.wrapped)
+    return replace(layer, wrapped=wrapped, tiled=mlps, tile_tokens=policy.tile_tokens)
+
+
 def _wrapped_names(block: Block, mode: Mode) -> tuple[str, ...]:
     if mode == "none":
         return ()
@@ -164,6 +189,13 @@ def _notes(
         notes.append(
             "blocks outside the language model were not wrapped: " + ", ".join(search.skipped)
             + "; pass block_pattern to choose the blocks yourself"
+        )
+    tiled = [layer.index for layer in layers if layer.tiled]
+    if tiled:
+        chunk = f"{policy.tile_tokens} tokens" if policy.tile_tokens else "as many tokens as the hidden size"
+        notes.append(
+            f"MLPs of {len(tiled)} blocks run over chunks of {chunk}, each recomputed on its own in backward: no "
+            "[tokens, intermediate] tensor exists whole; costs one more MLP forward per step"
         )
     if policy.offload or any(layer.mode == "offload" for layer in layers):
         notes.append("offload keeps saved activations in host memory; tensors already on the CPU are not copied")
