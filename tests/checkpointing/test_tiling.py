@@ -41,11 +41,12 @@ def _assert_close_grads(expected: dict[str, torch.Tensor], actual: dict[str, tor
         torch.testing.assert_close(actual[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _counting_mlp_calls(model: nn.Module) -> list[int]:
-    """Count calls of the MLPs' original forwards (each chunk is one call)."""
+def _counting_calls(model: nn.Module, names: list[str]) -> list[int]:
+    """Count calls of the original forwards of the tiled modules ``names`` (each chunk is one call)."""
     calls = [0]
-    for module in model.modules():
-        state = wrap_state(module)
+    modules = dict(model.named_modules())
+    for name in names:
+        state = wrap_state(modules[name])
         if state is not None and state.runner.kind == "tiled":
             inner = state.inner
 
@@ -67,14 +68,16 @@ def test_tiled_gradients_equal_untiled(arch: str, mode: str) -> None:
     tiled = [name for layer in plan for name in layer.tiled]
     assert tiled and all(is_wrapped(dict(model.named_modules())[n]) for n in tiled)
     assert [n for n, m in model.named_modules() if is_wrapped(m)] == list(plan.wrapped_modules)
-    calls = _counting_mlp_calls(model)
+    mlps = [name for layer in plan for name in layer.tiled[: len(layer.tiled) - layer.tiled_norms]]
+    assert mlps == [f"{layer.name}.{sub}" for layer in plan for sub in ("mlp",)]
+    calls = _counting_calls(model, mlps)
     actual = step_grads(model, ids)
     _assert_close_grads(expected, actual)
     chunks = -(-ids.numel() // TILE)
     # Forward + one recompute per chunk; a fully recomputed block adds its own recompute, which runs the chunks
     # again (all of them, or all but the last where checkpoint's early stop ends the block's recompute first).
     full = sum(layer.mode == "full" for layer in plan)
-    fewest = len(tiled) * 2 * chunks + full * (chunks - 1)
+    fewest = len(mlps) * 2 * chunks + full * (chunks - 1)
     assert fewest <= calls[0] <= fewest + full
 
 
@@ -140,8 +143,8 @@ def test_a_non_position_wise_mlp_is_refused_when_called() -> None:
     state = wrap_state(model.model.layers[0].mlp)
     assert state is not None
     state.inner = lambda hidden: hidden.sum(0)  # mixes the tokens of the chunk: one row out, not one per token
-    with pytest.raises(CheckpointingError, match=r"tiled: the MLP of block 0 \(model\.layers\.0\.mlp\) \(LlamaMLP\) "
-                       r"is not position-wise"):
+    with pytest.raises(CheckpointingError, match=r"tiled: model\.layers\.0\.mlp in block 0 \(LlamaMLP\) is not "
+                       r"position-wise"):
         model(input_ids=batch(), use_cache=False)
 
 
@@ -149,15 +152,19 @@ def test_plan_table_shows_the_tiles() -> None:
     plan = _apply(tiny_model("llama"), {"mode": "full", "tiled": True, "tile_tokens": 256,
                                         "layers": {"2": "attention", "3": "none"}})
     rows = plan.rows()
-    assert rows[0][4] == "block + mlp in 256-token tiles"
-    assert rows[2][4] == "self_attn + mlp in 256-token tiles"
+    assert rows[0][4] == "block + mlp + 2 norms in 256-token tiles"
+    assert rows[2][4] == "self_attn + mlp + 2 norms in 256-token tiles"
     assert rows[3][4] == "-"
-    assert plan.wrapped_modules[:2] == ("model.layers.0", "model.layers.0.mlp")
+    assert plan.layers[0].tiled == ("model.layers.0.mlp", "model.layers.0.input_layernorm",
+                                    "model.layers.0.post_attention_layernorm")
+    assert plan.wrapped_modules[:4] == ("model.layers.0", "model.layers.0.mlp", "model.layers.0.input_layernorm",
+                                        "model.layers.0.post_attention_layernorm")  # module order
     assert plan.summary().startswith("full, MLP tiled (256 tokens), per-layer: 2=attention, 3=none: 3/4 blocks")
-    assert any(note.startswith("MLPs of 3 blocks run over chunks of 256 tokens") for note in plan.notes)
-    assert "mlp in 256-token tiles" in str(plan)
-    auto = _apply(tiny_model("llama"), {"mode": "mlp", "tiled": True})
-    assert auto.rows()[0][4] == "mlp in hidden-size tiles"
+    assert any(note.startswith("the MLPs and norms of 3 blocks run over chunks of 256 tokens") for note in plan.notes)
+    assert "mlp + 2 norms in 256-token tiles" in str(plan)
+    auto = _apply(tiny_model("gpt2"), {"mode": "mlp", "tiled": True})
+    assert auto.rows()[0][4] == "mlp + 2 norms in hidden-size tiles"
+    assert auto.layers[0].tiled == ("transformer.h.0.mlp", "transformer.h.0.ln_1", "transformer.h.0.ln_2")
     assert default_tile_tokens(2048) == 2048
 
 
@@ -175,7 +182,7 @@ def test_policy_key_from_yaml_python_and_options() -> None:
     model = tiny_model("llama")
     plan = apply_activation_checkpointing(model, "full", tiled=True)
     assert plan.policy.to_dict() == {"mode": "full", "tiled": True}
-    assert all(layer.tiled == (f"{layer.name}.mlp",) and layer.tile_tokens is None for layer in plan)
+    assert all(layer.tiled[0] == f"{layer.name}.mlp" and layer.tile_tokens is None for layer in plan)
 
 
 def test_policy_key_from_a_recipe_override(tmp_path: Path) -> None:
@@ -221,17 +228,20 @@ def _tracked_peak(intermediate: int, tokens: int, policy: Any) -> int:
 
 
 def test_tiled_peak_does_not_grow_with_intermediate_times_tokens() -> None:
-    """From 256 to 512 tokens the tiled peak grows by the same bytes whatever the intermediate size; the untiled
-    peak grows by six more fp32 [256, intermediate] tensors (the MLP's recomputed gate, up, activation and product
-    and the two gradients alive together in its backward), less the [256, hidden] input gradient the tiled MLP
-    gathers from its chunks."""
+    """From 256 to 512 tokens the tiled peak grows by the same bytes whatever the intermediate size. The untiled
+    peak grows by more: six fp32 [256, intermediate] tensors (the MLP's recomputed gate, up, activation and product
+    and the two gradients alive together in its backward) and, for each of the two RMSNorms, the [256, hidden]
+    product and [256, 1] reciprocal root it keeps for backward; less the [256, hidden] input gradient the tiled MLP
+    gathers from its chunks. Without tiling the norms (measured before they were) the difference lacked the norm
+    terms: 256 x (6 x intermediate - hidden) x 4."""
     tiled = {"mode": "full", "tiled": True, "tile_tokens": 64}
     hidden, fp32, more_tokens = 32, 4, 256
     growth = {}
     for intermediate in (1024, 2048):
         untiled_growth = _tracked_peak(intermediate, 512, "full") - _tracked_peak(intermediate, 256, "full")
         tiled_growth = _tracked_peak(intermediate, 512, tiled) - _tracked_peak(intermediate, 256, tiled)
-        assert untiled_growth - tiled_growth == more_tokens * (6 * intermediate - hidden) * fp32
+        mlp, norms, gathered = 6 * intermediate, 2 * (hidden + 1), hidden
+        assert untiled_growth - tiled_growth == more_tokens * (mlp + norms - gathered) * fp32
         growth[intermediate] = tiled_growth
     assert growth[1024] == growth[2048] < more_tokens * 1024 * fp32
     segment = {"mode": "full", "segments": 1, "tiled": True, "tile_tokens": 64}  # the segment's replay is tiled too

@@ -122,7 +122,7 @@ def _runners(plan: CheckpointPlan, offload: AbstractContextManager[Any] | None) 
         layer_offload = offload if layer.offload else None
         for name in layer.wrapped:
             if name in layer.tiled:
-                runners[name] = TiledRunner(layer.tile_tokens, f"block {layer.index} ({name})")
+                runners[name] = TiledRunner(layer.tile_tokens, f"{name} in block {layer.index}")
             else:
                 runners[name] = _runner_for(layer, layer_offload, segments)
     return runners

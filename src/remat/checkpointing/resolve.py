@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 
-from remat.checkpointing.discovery import ATTENTION_NAMES, MLP_NAMES, Block, BlockSearch
+from remat.checkpointing.discovery import ATTENTION_NAMES, MLP_NAMES, Block, BlockSearch, find_norms
 from remat.checkpointing.plan import CheckpointingWarning, CheckpointPlan, LayerPlan
 from remat.checkpointing.policy import CheckpointPolicy, Mode, segment_count, split_into_segments
 from remat.errors import CheckpointingError
@@ -109,7 +109,8 @@ def _layer(block: Block, request: _Request, segment: tuple[int, int] | None) -> 
 
 
 def _with_tiling(layer: LayerPlan, block: Block, policy: CheckpointPolicy) -> LayerPlan:
-    """``layer`` with its MLP tiled when the policy asks for tiling and the block is treated at all."""
+    """``layer`` with its MLP and its norms (direct children) tiled when the policy asks for tiling and the block
+    is treated at all (``wrapped`` stays in module order; ``tiled`` lists the MLPs, then the norms)."""
     if not policy.tiled or layer.mode == "none":
         return layer
     where = f"block {block.index} ({block.name}, {block.type_name})"
@@ -125,9 +126,11 @@ def _with_tiling(layer: LayerPlan, block: Block, policy: CheckpointPolicy) -> La
             f"policy.tiled: no MLP sub-module found in {where}; searched children named {', '.join(MLP_NAMES)} and "
             "sub-modules whose class name says mlp / feedforward / ffn. Leave tiled off for this model"
         )
-    mlps = tuple(f"{block.name}.{sub}" for sub in block.mlp)
-    wrapped = layer.wrapped + tuple(name for name in mlps if name not in layer.wrapped)
-    return replace(layer, wrapped=wrapped, tiled=mlps, tile_tokens=policy.tile_tokens)
+    order = {f"{block.name}.{sub}" if sub else block.name: i for i, (sub, _) in enumerate(block.module.named_modules())}
+    norms = find_norms(block.module)
+    tiled = tuple(f"{block.name}.{sub}" for sub in (*block.mlp, *norms))
+    wrapped = tuple(sorted({*layer.wrapped, *tiled}, key=order.__getitem__))
+    return replace(layer, wrapped=wrapped, tiled=tiled, tiled_norms=len(norms), tile_tokens=policy.tile_tokens)
 
 
 def _wrapped_names(block: Block, mode: Mode) -> tuple[str, ...]:
@@ -194,8 +197,8 @@ def _notes(
     if tiled:
         chunk = f"{policy.tile_tokens} tokens" if policy.tile_tokens else "as many tokens as the hidden size"
         notes.append(
-            f"MLPs of {len(tiled)} blocks run over chunks of {chunk}, each recomputed on its own in backward: no "
-            "[tokens, intermediate] tensor exists whole; costs one more MLP forward per step"
+            f"the MLPs and norms of {len(tiled)} blocks run over chunks of {chunk}, each recomputed on its own in "
+            "backward: no [tokens, intermediate] tensor exists whole; costs one more MLP forward per step"
         )
     if policy.offload or any(layer.mode == "offload" for layer in layers):
         notes.append("offload keeps saved activations in host memory; tensors already on the CPU are not copied")

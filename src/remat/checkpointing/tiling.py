@@ -1,6 +1,8 @@
-"""Sequence tiling: a block's MLP runs over chunks of the tokens, each chunk under its own non-reentrant checkpoint.
+"""Sequence tiling: a block's MLP and norms run over chunks of the tokens, each chunk under its own non-reentrant
+checkpoint.
 
-An MLP is position-wise: token t's output depends on token t's input only. So its input ``[..., hidden]`` is
+An MLP is position-wise: token t's output depends on token t's input only (so are LayerNorm and RMSNorm, which are
+tiled the same way: their fp32 internals are then never kept for all tokens). So its input ``[..., hidden]`` is
 flattened to ``[tokens, hidden]``, split into chunks of ``tile_tokens`` rows, and each chunk runs through the MLP
 under ``torch.utils.checkpoint`` (non-reentrant); the chunk outputs are concatenated. Forward keeps no chunk's
 intermediates (checkpoint saves only the chunk's input, a view of the MLP input), and backward recomputes and
@@ -35,7 +37,8 @@ def default_tile_tokens(hidden_size: int) -> int:
 
 
 class TiledRunner(Runner):
-    """Run an MLP over chunks of its tokens, each chunk checkpointed (see the module docstring).
+    """Run a position-wise module (an MLP, a norm) over chunks of its tokens, each chunk checkpointed (see the
+    module docstring).
 
     ``tile_tokens`` is the chunk length (None: `default_tile_tokens` of the input's last dimension); ``where``
     names the module in error messages (e.g. ``"block 3 (model.layers.3.mlp)"``).
@@ -54,7 +57,7 @@ class TiledRunner(Runner):
         fn, args, kwargs = input_as_positional(inner, args, kwargs)
         if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
             raise CheckpointingError(
-                f"tiled: the MLP of {self.where} ({type(module).__name__}) was called without a [..., tokens, hidden] "
+                f"tiled: {self.where} ({type(module).__name__}) was called without a [..., tokens, hidden] "
                 "tensor as its input, so its tokens cannot be split into chunks; remove tiled for this model"
             )
         hidden, rest = args[0], args[1:]
@@ -65,7 +68,7 @@ class TiledRunner(Runner):
             if not isinstance(out, torch.Tensor) or out.shape[:-1] != chunk.shape[:-1]:
                 got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"shape {tuple(out.shape)}"
                 raise CheckpointingError(
-                    f"tiled: the MLP of {self.where} ({type(module).__name__}) is not position-wise: for a chunk of "
+                    f"tiled: {self.where} ({type(module).__name__}) is not position-wise: for a chunk of "
                     f"shape {tuple(chunk.shape)} it returned {got}, not one tensor with a row per token; remove "
                     "tiled for this model"
                 )
