@@ -159,7 +159,7 @@ def test_plan_table_shows_the_tiles() -> None:
                                     "model.layers.0.post_attention_layernorm")
     assert plan.wrapped_modules[:4] == ("model.layers.0", "model.layers.0.mlp", "model.layers.0.input_layernorm",
                                         "model.layers.0.post_attention_layernorm")  # module order
-    assert plan.summary().startswith("full, MLP tiled (256 tokens), per-layer: 2=attention, 3=none: 3/4 blocks")
+    assert plan.summary().startswith("full, tiled (256 tokens), per-layer: 2=attention, 3=none: 3/4 blocks")
     assert any(note.startswith("the MLPs and norms of 3 blocks run over chunks of 256 tokens") for note in plan.notes)
     assert "mlp + 2 norms in 256-token tiles" in str(plan)
     auto = _apply(tiny_model("gpt2"), {"mode": "mlp", "tiled": True})
@@ -178,7 +178,7 @@ def test_policy_key_from_yaml_python_and_options() -> None:
     assert policy == CheckpointPolicy(mode="full", tiled=True, tile_tokens=256)
     assert policy.to_dict() == {"mode": "full", "tiled": True, "tile_tokens": 256}
     assert parse_policy(policy.to_dict()) == policy
-    assert policy.describe() == "full, MLP tiled (256 tokens)"
+    assert policy.describe() == "full, tiled (256 tokens)"
     model = tiny_model("llama")
     plan = apply_activation_checkpointing(model, "full", tiled=True)
     assert plan.policy.to_dict() == {"mode": "full", "tiled": True}

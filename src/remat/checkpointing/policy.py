@@ -81,9 +81,9 @@ class CheckpointPolicy:
     - ``layers``: per-layer exceptions, which win over ``mode`` and ``every_n_layers``.
     - ``block_pattern``: where the blocks are, for models remat cannot search: a module path (``"encoder.blocks"``,
       whose children are the blocks) or a regular expression matched against full module names.
-    - ``tiled``: run the MLP of every treated block over chunks of the tokens, each chunk recomputed on its own in
-      backward, so no ``[tokens, intermediate]`` tensor exists whole (see `remat.checkpointing.tiling`); combines
-      with every mode but ``none``. ``tile_tokens``: tokens per chunk (default: the model's hidden size).
+    - ``tiled``: run the MLP and norms of every treated block over chunks of the tokens, each chunk recomputed on
+      its own in backward, so no ``[tokens, intermediate]`` tensor exists whole (see `remat.checkpointing.tiling`);
+      combines with every mode but ``none``. ``tile_tokens``: tokens per chunk (default: the model's hidden size).
     """
 
     mode: Mode = "full"
@@ -152,7 +152,7 @@ class CheckpointPolicy:
         if self.offload and self.mode != "offload":
             parts.append("inputs offloaded")
         if self.tiled:
-            parts.append(f"MLP tiled ({self.tile_tokens or 'auto'} tokens)")
+            parts.append(f"tiled ({self.tile_tokens or 'auto'} tokens)")
         if self.layers:
             parts.append("per-layer: " + ", ".join(f"{o.key}={o.mode}" for o in self.layers))
         return ", ".join(parts)

@@ -9,11 +9,11 @@ intermediates (checkpoint saves only the chunk's input, a view of the MLP input)
 differentiates one chunk at a time, so only one ``[tile_tokens, intermediate]`` tensor (and the few like it inside
 the MLP) is alive at any moment instead of ``[tokens, intermediate]``.
 
-Composition: under full or selective checkpointing of the block, the block's recompute runs the tiled MLP again,
-which again keeps nothing but chunk inputs; each chunk is recomputed a second time when backward reaches it. The
-price is one more MLP forward per step than without tiling. Dropout inside the MLP draws its mask per chunk, and
-checkpoint restores the RNG state of each chunk on recompute, so forward and recompute agree (the masks differ from
-an untiled run's, as any re-chunking of random draws does). Attention is not tiled: it mixes tokens.
+Composition: under full or selective checkpointing of the block, the block's recompute runs the tiled modules
+again, which again keep nothing but chunk inputs; each chunk is recomputed a second time when backward reaches it.
+The price is one more MLP (and norm) forward per step than without tiling. Dropout inside the MLP draws its mask
+per chunk, and checkpoint restores the RNG state of each chunk on recompute, so forward and recompute agree (the
+masks may differ from an untiled run's, as re-chunking random draws can). Attention is not tiled: it mixes tokens.
 """
 
 from __future__ import annotations
