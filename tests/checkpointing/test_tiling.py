@@ -131,7 +131,7 @@ def test_tiling_a_moe_block_is_refused_in_one_line(arch: str) -> None:
     assert not any(is_wrapped(m) for m in model.modules())
 
 
-def test_moe_blocks_may_be_left_untiled_by_a_per_layer_exception() -> None:
+def test_tiling_applies_to_every_checkpointed_block_of_a_moe_model() -> None:
     model = tiny_model("mixtral")
     with pytest.raises(CheckpointingError, match=r"block 1 \(model\.layers\.1"):
         _apply(model, {"mode": "full", "tiled": True, "layers": {"0": "none"}})
@@ -246,3 +246,18 @@ def test_tiled_peak_does_not_grow_with_intermediate_times_tokens() -> None:
     assert growth[1024] == growth[2048] < more_tokens * 1024 * fp32
     segment = {"mode": "full", "segments": 1, "tiled": True, "tile_tokens": 64}  # the segment's replay is tiled too
     assert _tracked_peak(1024, 512, segment) - _tracked_peak(1024, 256, segment) < more_tokens * 1024 * fp32
+
+
+def test_only_per_position_norms_are_tiled() -> None:
+    from remat.checkpointing import find_norms
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.ln_2d = nn.LayerNorm((4, 8))  # normalises over two dimensions: mixes positions
+            self.group_norm = nn.GroupNorm(2, 8)  # mixes positions
+            self.rms = nn.RMSNorm(8)
+            self.mlp = nn.Linear(8, 8)
+
+    assert find_norms(Block()) == ("ln", "rms")

@@ -34,7 +34,7 @@ MLP_NAMES: Final[tuple[str, ...]] = ("mlp", "feed_forward", "ffn", "block_sparse
 _ATTENTION_CLASS: Final = re.compile(r"attention", re.IGNORECASE)
 _MLP_CLASS: Final = re.compile(r"mlp|feedforward|ffn|moe", re.IGNORECASE)
 _MOE_CLASS: Final = re.compile(r"moe|expert|router", re.IGNORECASE)
-_NORM_CLASS: Final = re.compile(r"norm", re.IGNORECASE)
+_NORM_CLASS: Final = re.compile(r"rmsnorm|layernorm|layer_norm", re.IGNORECASE)
 _NOT_SUBMODULE_CLASS: Final = re.compile(r"dropout|norm|rotary|embedding", re.IGNORECASE)
 
 
@@ -149,9 +149,14 @@ def find_mlp(block: nn.Module) -> tuple[str, ...]:
 
 
 def find_norms(block: nn.Module) -> tuple[str, ...]:
-    """Names of ``block``'s direct children that are normalisation layers (class name says ``norm``: LayerNorm,
-    RMSNorm, ...), in order; norms nested in the attention or MLP sub-modules are not listed."""
-    return tuple(name for name, child in block.named_children() if _NORM_CLASS.search(type(child).__name__))
+    """Names of ``block``'s direct children that normalise each position over its last dimension only (class name
+    says RMSNorm or LayerNorm, and a ``normalized_shape``, when there is one, has one dimension), in order.
+    Batch/group/instance norms, which mix positions, and norms nested in attention or MLP sub-modules are not
+    listed."""
+    return tuple(
+        name for name, child in block.named_children()
+        if _NORM_CLASS.search(type(child).__name__) and len(getattr(child, "normalized_shape", (0,))) == 1
+    )
 
 
 def is_moe_block(block: nn.Module) -> bool:

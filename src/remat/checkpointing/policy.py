@@ -3,9 +3,9 @@
 A policy is plain data. It says which mode each transformer block gets (``full``, ``selective``, ``attention``,
 ``mlp``, ``offload`` or ``none``), whether only one block in N is treated (``every_n_layers``), whether blocks are
 recomputed in segments (``segments``), whether what is kept goes to host memory (``offload``), per-layer exceptions
-(``layers``), whether the MLPs run over chunks of the sequence (``tiled``, ``tile_tokens``) and, for custom models,
-where the blocks are (``block_pattern``). Where the blocks are and how they are
-wrapped is decided elsewhere (`remat.checkpointing.discovery`, `remat.checkpointing.apply`).
+(``layers``), whether MLPs and norms run over chunks of the sequence (``tiled``, ``tile_tokens``) and, for custom
+models, where the blocks are (``block_pattern``). Where the blocks are and how they are wrapped is decided
+elsewhere (`remat.checkpointing.discovery`, `remat.checkpointing.apply`).
 """
 
 from __future__ import annotations

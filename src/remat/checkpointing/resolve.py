@@ -118,8 +118,8 @@ def _with_tiling(layer: LayerPlan, block: Block, policy: CheckpointPolicy) -> La
         raise CheckpointingError(
             f"policy.tiled: {where} is a mixture-of-experts block: its router groups the tokens per expert and its "
             "load-balancing loss is taken over all of them, so running it over chunks of the sequence changes what "
-            "it computes; each expert already sees only its share of the tokens. Leave tiled off for this model, "
-            "or turn it off for such blocks with a per-layer exception (layers: {N: full})"
+            "it computes; each expert already sees only its share of the tokens. Leave tiled off for this model "
+            "(tiling applies to every block that is checkpointed; only a per-layer mode 'none' exempts one)"
         )
     if not block.mlp:
         raise CheckpointingError(

@@ -41,7 +41,7 @@ class TiledRunner(Runner):
     module docstring).
 
     ``tile_tokens`` is the chunk length (None: `default_tile_tokens` of the input's last dimension); ``where``
-    names the module in error messages (e.g. ``"block 3 (model.layers.3.mlp)"``).
+    names the module in error messages (e.g. ``"model.layers.3.mlp in block 3"``).
     """
 
     kind: WrapKind = "tiled"
