@@ -35,6 +35,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "every2nd-plain-packed": {"policy": {"mode": "full", "every_n_layers": 2}, "loss": "plain",
                               "documents_per_row": 2},
     "none-plain-unclipped": {"policy": "none", "loss": "plain", "clip_grad_norm": None},
+    "full-tiled-fused": {"policy": {"mode": "full", "tiled": True, "tile_tokens": 48}, "loss": "fused"},
+    "mlp-tiled-plain-autocast": {"policy": {"mode": "mlp", "tiled": True}, "loss": "plain", "autocast": "bfloat16"},
 }
 
 

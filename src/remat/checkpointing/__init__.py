@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "find_blocks": "remat.checkpointing.discovery",
     "find_decoder": "remat.checkpointing.discovery",
     "find_mlp": "remat.checkpointing.discovery",
+    "find_norms": "remat.checkpointing.discovery",
     "is_moe_block": "remat.checkpointing.discovery",
     "kv_sharing_role": "remat.checkpointing.discovery",
     "CheckpointingWarning": "remat.checkpointing.plan",
@@ -49,6 +50,7 @@ __all__ = [
     "find_blocks",
     "find_decoder",
     "find_mlp",
+    "find_norms",
     "is_checkpointed",
     "is_moe_block",
     "kv_sharing_role",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
         find_blocks,
         find_decoder,
         find_mlp,
+        find_norms,
         is_moe_block,
         kv_sharing_role,
     )

@@ -22,6 +22,7 @@ from remat.checkpointing.policy import PolicyLike, merge_options, parse_policy
 from remat.checkpointing.resolve import resolve_plan
 from remat.checkpointing.segments import Segment
 from remat.checkpointing.selective import selective_context_fn
+from remat.checkpointing.tiling import TiledRunner
 from remat.checkpointing.wrappers import (
     CheckpointRunner,
     OffloadRunner,
@@ -120,7 +121,10 @@ def _runners(plan: CheckpointPlan, offload: AbstractContextManager[Any] | None) 
     for layer in plan.layers:
         layer_offload = offload if layer.offload else None
         for name in layer.wrapped:
-            runners[name] = _runner_for(layer, layer_offload, segments)
+            if name in layer.tiled:
+                runners[name] = TiledRunner(layer.tile_tokens, f"{name} in block {layer.index}")
+            else:
+                runners[name] = _runner_for(layer, layer_offload, segments)
     return runners
 
 

@@ -34,6 +34,7 @@ MLP_NAMES: Final[tuple[str, ...]] = ("mlp", "feed_forward", "ffn", "block_sparse
 _ATTENTION_CLASS: Final = re.compile(r"attention", re.IGNORECASE)
 _MLP_CLASS: Final = re.compile(r"mlp|feedforward|ffn|moe", re.IGNORECASE)
 _MOE_CLASS: Final = re.compile(r"moe|expert|router", re.IGNORECASE)
+_NORM_CLASS: Final = re.compile(r"rmsnorm|layernorm|layer_norm", re.IGNORECASE)
 _NOT_SUBMODULE_CLASS: Final = re.compile(r"dropout|norm|rotary|embedding", re.IGNORECASE)
 
 
@@ -145,6 +146,17 @@ def find_attention(block: nn.Module) -> tuple[str, ...]:
 def find_mlp(block: nn.Module) -> tuple[str, ...]:
     """Names (relative to ``block``) of its MLP or mixture-of-experts sub-modules, by attribute name, else class."""
     return _find_submodules(block, MLP_NAMES, _MLP_CLASS)
+
+
+def find_norms(block: nn.Module) -> tuple[str, ...]:
+    """Names of ``block``'s direct children that normalise each position over its last dimension only (class name
+    says RMSNorm or LayerNorm, and a ``normalized_shape``, when there is one, has one dimension), in order.
+    Batch/group/instance norms, which mix positions, and norms nested in attention or MLP sub-modules are not
+    listed."""
+    return tuple(
+        name for name, child in block.named_children()
+        if _NORM_CLASS.search(type(child).__name__) and len(getattr(child, "normalized_shape", (0,))) == 1
+    )
 
 
 def is_moe_block(block: nn.Module) -> bool:

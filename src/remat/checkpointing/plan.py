@@ -22,6 +22,8 @@ class LayerPlan:
     ``mode`` what was applied (they differ when a fallback was taken; ``note`` says why). ``wrapped`` lists the full
     names of the modules whose forward runs under checkpointing or offloading: the block itself, its attention or MLP
     sub-modules, or nothing. ``segment`` is the (first, last) block index of the segment recomputed as one unit.
+    ``tiled`` lists the wrapped modules that run over chunks of ``tile_tokens`` tokens (None: the default chunk
+    length, `remat.checkpointing.tiling.default_tile_tokens`): the MLPs, then the block's ``tiled_norms`` norms.
     """
 
     index: int
@@ -33,6 +35,9 @@ class LayerPlan:
     offload: bool = False
     segment: tuple[int, int] | None = None
     note: str = ""
+    tiled: tuple[str, ...] = ()
+    tiled_norms: int = 0
+    tile_tokens: int | None = None
 
     @property
     def checkpointed(self) -> bool:
@@ -41,7 +46,23 @@ class LayerPlan:
 
     @property
     def recomputes(self) -> str:
-        """What backward recomputes for this block, in words."""
+        """What backward recomputes for this block, in words (tiled MLPs included)."""
+        if not self.tiled:
+            return self._recomputes_untiled()
+        tiles = f"{self.tile_tokens}-token" if self.tile_tokens else "hidden-size"
+        mlps = self.tiled[: len(self.tiled) - self.tiled_norms]
+        names = ", ".join(w.rsplit(".", 1)[-1] for w in mlps)
+        if self.tiled_norms:
+            names += f" + {self.tiled_norms} norm{'s' if self.tiled_norms > 1 else ''}"
+        if self.mode == "mlp":
+            return f"{names} in {tiles} tiles"
+        if self.mode == "attention":
+            head = ", ".join(w.rsplit(".", 1)[-1] for w in self.wrapped if w not in self.tiled)
+        else:
+            head = self._recomputes_untiled()
+        return f"{names} in {tiles} tiles" if head == "nothing" else f"{head} + {names} in {tiles} tiles"
+
+    def _recomputes_untiled(self) -> str:
         if self.segment is not None and self.segment[0] != self.segment[1]:
             return f"segment {self.segment[0]}-{self.segment[1]}"
         if self.mode in ("attention", "mlp"):

@@ -3,8 +3,9 @@
 A policy is plain data. It says which mode each transformer block gets (``full``, ``selective``, ``attention``,
 ``mlp``, ``offload`` or ``none``), whether only one block in N is treated (``every_n_layers``), whether blocks are
 recomputed in segments (``segments``), whether what is kept goes to host memory (``offload``), per-layer exceptions
-(``layers``) and, for custom models, where the blocks are (``block_pattern``). Where the blocks are and how they are
-wrapped is decided elsewhere (`remat.checkpointing.discovery`, `remat.checkpointing.apply`).
+(``layers``), whether MLPs and norms run over chunks of the sequence (``tiled``, ``tile_tokens``) and, for custom
+models, where the blocks are (``block_pattern``). Where the blocks are and how they are wrapped is decided
+elsewhere (`remat.checkpointing.discovery`, `remat.checkpointing.apply`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ POLICY_STRINGS: Final[tuple[str, ...]] = (*MODES, "sqrt")
 #: The value asking the planner (`remat.planner`) to choose a per-layer policy under a memory budget.
 AUTO: Final[str] = "auto"
 #: Keys of a policy mapping.
-POLICY_KEYS: Final[tuple[str, ...]] = ("mode", "every_n_layers", "segments", "offload", "layers", "block_pattern")
+POLICY_KEYS: Final[tuple[str, ...]] = (
+    "mode", "every_n_layers", "segments", "offload", "layers", "block_pattern", "tiled", "tile_tokens",
+)
 #: Keys of one entry of ``layers`` when it is a mapping.
 LAYER_KEYS: Final[tuple[str, ...]] = ("mode", "offload")
 
@@ -80,6 +83,9 @@ class CheckpointPolicy:
     - ``layers``: per-layer exceptions, which win over ``mode`` and ``every_n_layers``.
     - ``block_pattern``: where the blocks are, for models remat cannot search: a module path (``"encoder.blocks"``,
       whose children are the blocks) or a regular expression matched against full module names.
+    - ``tiled``: run the MLP and norms of every treated block over chunks of the tokens, each chunk recomputed on
+      its own in backward, so no ``[tokens, intermediate]`` tensor exists whole (see `remat.checkpointing.tiling`);
+      combines with every mode but ``none``. ``tile_tokens``: tokens per chunk (default: the model's hidden size).
     """
 
     mode: Mode = "full"
@@ -88,6 +94,8 @@ class CheckpointPolicy:
     offload: bool = False
     layers: tuple[LayerOverride, ...] = ()
     block_pattern: str | None = None
+    tiled: bool = False
+    tile_tokens: int | None = None
 
     def __post_init__(self) -> None:
         key = _ERROR_KEY.get()
@@ -98,6 +106,9 @@ class CheckpointPolicy:
         _check_bool(self.offload, f"{key}.offload")
         if self.block_pattern is not None:
             _check_block_pattern(self.block_pattern, f"{key}.block_pattern")
+        _check_bool(self.tiled, f"{key}.tiled")
+        if self.tile_tokens is not None:
+            _check_positive_int(self.tile_tokens, f"{key}.tile_tokens")
         _check_no_overlap(self.layers, f"{key}.layers")
         _check_combination(self, key)
 
@@ -125,6 +136,10 @@ class CheckpointPolicy:
             }
         if self.block_pattern is not None:
             out["block_pattern"] = self.block_pattern
+        if self.tiled:
+            out["tiled"] = True
+        if self.tile_tokens is not None:
+            out["tile_tokens"] = self.tile_tokens
         return out
 
     def describe(self) -> str:
@@ -138,6 +153,8 @@ class CheckpointPolicy:
             parts.append(f"every {_ordinal(self.every_n_layers)} block")
         if self.offload and self.mode != "offload":
             parts.append("inputs offloaded")
+        if self.tiled:
+            parts.append(f"tiled ({self.tile_tokens or 'auto'} tokens)")
         if self.layers:
             parts.append("per-layer: " + ", ".join(f"{o.key}={o.mode}" for o in self.layers))
         return ", ".join(parts)
@@ -262,6 +279,9 @@ def _parse_mapping(value: Mapping[str, Any], key: str) -> dict[str, Any]:
         fields["layers"] = _parse_layers(value["layers"], f"{key}.layers")
     if "block_pattern" in value:
         fields["block_pattern"] = value["block_pattern"]
+    for name in ("tiled", "tile_tokens"):
+        if name in value:
+            fields[name] = value[name]
     return fields
 
 
@@ -370,9 +390,20 @@ def _check_combination(policy: CheckpointPolicy, key: str) -> None:
         )
     if policy.mode == "none" and policy.offload:
         raise ConfigError(f"{key}.offload: mode 'none' keeps activations in place; to offload them use mode 'offload'")
+    _check_tiling(policy, key)
     for override in policy.layers:
         if override.mode == "none" and override.offload:
             raise ConfigError(f"{key}.layers.{override.key}.offload: mode 'none' with offload; use mode 'offload'")
+
+
+def _check_tiling(policy: CheckpointPolicy, key: str) -> None:
+    if policy.tile_tokens is not None and not policy.tiled:
+        raise ConfigError(f"{key}.tile_tokens: got {policy.tile_tokens} without tiled: true; add tiled: true")
+    if policy.tiled and not policy.enabled:
+        raise ConfigError(
+            f"{key}.tiled: mode 'none' treats no block, so nothing would be tiled; tiling recomputes each MLP "
+            "chunk by chunk, so for tiled MLPs without recomputing whole blocks write {mode: mlp, tiled: true}"
+        )
 
 
 # --- messages ----------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 
-from remat.checkpointing.discovery import ATTENTION_NAMES, MLP_NAMES, Block, BlockSearch
+from remat.checkpointing.discovery import ATTENTION_NAMES, MLP_NAMES, Block, BlockSearch, find_norms
 from remat.checkpointing.plan import CheckpointingWarning, CheckpointPlan, LayerPlan
 from remat.checkpointing.policy import CheckpointPolicy, Mode, segment_count, split_into_segments
 from remat.errors import CheckpointingError
@@ -29,7 +29,10 @@ def resolve_plan(policy: CheckpointPolicy, search: BlockSearch, model_class: str
     _check_fits(policy, len(blocks))
     requests = [_request(policy, i) for i in range(len(blocks))]
     segment_of = _segments(policy, blocks)
-    layers = [_layer(block, requests[block.index], segment_of.get(block.index)) for block in blocks]
+    layers = [
+        _with_tiling(_layer(block, requests[block.index], segment_of.get(block.index)), block, policy)
+        for block in blocks
+    ]
     layers = _split_segments_at_fallbacks(layers)
     notes = list(_notes(policy, blocks, layers, search))
     plan = CheckpointPlan(policy, model_class, tuple(layers), search.container, tuple(notes))
@@ -105,6 +108,31 @@ def _layer(block: Block, request: _Request, segment: tuple[int, int] | None) -> 
     )
 
 
+def _with_tiling(layer: LayerPlan, block: Block, policy: CheckpointPolicy) -> LayerPlan:
+    """``layer`` with its MLP and its norms (direct children) tiled when the policy asks for tiling and the block
+    is treated at all (``wrapped`` stays in module order; ``tiled`` lists the MLPs, then the norms)."""
+    if not policy.tiled or layer.mode == "none":
+        return layer
+    where = f"block {block.index} ({block.name}, {block.type_name})"
+    if block.is_moe:
+        raise CheckpointingError(
+            f"policy.tiled: {where} is a mixture-of-experts block: its router groups the tokens per expert and its "
+            "load-balancing loss is taken over all of them, so running it over chunks of the sequence changes what "
+            "it computes; each expert already sees only its share of the tokens. Leave tiled off for this model "
+            "(tiling applies to every block that is checkpointed; only a per-layer mode 'none' exempts one)"
+        )
+    if not block.mlp:
+        raise CheckpointingError(
+            f"policy.tiled: no MLP sub-module found in {where}; searched children named {', '.join(MLP_NAMES)} and "
+            "sub-modules whose class name says mlp / feedforward / ffn. Leave tiled off for this model"
+        )
+    order = {f"{block.name}.{sub}" if sub else block.name: i for i, (sub, _) in enumerate(block.module.named_modules())}
+    norms = find_norms(block.module)
+    tiled = tuple(f"{block.name}.{sub}" for sub in (*block.mlp, *norms))
+    wrapped = tuple(sorted({*layer.wrapped, *tiled}, key=order.__getitem__))
+    return replace(layer, wrapped=wrapped, tiled=tiled, tiled_norms=len(norms), tile_tokens=policy.tile_tokens)
+
+
 def _wrapped_names(block: Block, mode: Mode) -> tuple[str, ...]:
     if mode == "none":
         return ()
@@ -164,6 +192,13 @@ def _notes(
         notes.append(
             "blocks outside the language model were not wrapped: " + ", ".join(search.skipped)
             + "; pass block_pattern to choose the blocks yourself"
+        )
+    tiled = [layer.index for layer in layers if layer.tiled]
+    if tiled:
+        chunk = f"{policy.tile_tokens} tokens" if policy.tile_tokens else "as many tokens as the hidden size"
+        notes.append(
+            f"the MLPs and norms of {len(tiled)} blocks run over chunks of {chunk}, each recomputed on its own in "
+            "backward: no [tokens, intermediate] tensor exists whole; costs one more MLP forward per step"
         )
     if policy.offload or any(layer.mode == "offload" for layer in layers):
         notes.append("offload keeps saved activations in host memory; tensors already on the CPU are not copied")

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
 
-WrapKind = Literal["checkpoint", "offload", "segment"]
+WrapKind = Literal["checkpoint", "offload", "segment", "tiled"]
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 
 #: The attribute on a wrapped module that holds its `WrapState`.
@@ -148,7 +148,7 @@ class CheckpointRunner(Runner):
     def __call__(
         self, module: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        fn, args, kwargs = _input_as_positional(inner, args, kwargs)
+        fn, args, kwargs = input_as_positional(inner, args, kwargs)
         with self.offload if self.offload is not None else nullcontext():
             # No context_fn argument at all without one: torch.compile's checkpoint support expects that.
             if self.context_fn is None:
@@ -175,7 +175,7 @@ class OffloadRunner(Runner):
             return inner(*args, **kwargs)
 
 
-def _input_as_positional(
+def input_as_positional(
     inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
     """Pass a keyword-only input (``hidden_states=...``) to checkpoint positionally: returns (fn, args, kwargs).
