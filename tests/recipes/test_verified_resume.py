@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,37 @@ def test_a_garbage_latest_pointer_is_said_and_the_newest_verified_checkpoint_use
     assert job.resumed_from == checkpoints / "step_4" and job.step == 4
     assert (f"{checkpoints / 'latest'} is unreadable (UnicodeDecodeError); trying the newest checkpoint that "
             "verifies") in caplog.text
+
+
+def _set_latest(checkpoints: Path, name: str, *, seconds_after_step_4: float) -> None:
+    """Point ``latest`` at `name`, written `seconds_after_step_4` after step_4's marker (negative: before it)."""
+    (checkpoints / "latest").write_text(name + "\n")
+    when = (checkpoints / "step_4" / COMPLETE_MARKER).stat().st_mtime_ns + int(seconds_after_step_4 * 1e9)
+    os.utime(checkpoints / "latest", ns=(when, when))
+
+
+def test_a_step_published_after_latest_was_written_is_resumed_first(
+        copy_of_run: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """kill -9 between publishing step_4 and moving ``latest`` (found by benchmarks/fault_injection.py): ``latest``
+    still names step_2, written before step_4 was finished; resuming step_2 would re-train step 4 over a complete
+    step_4."""
+    checkpoints = _checkpoints(copy_of_run)
+    _set_latest(checkpoints, "step_2", seconds_after_step_4=-1.0)
+    with caplog.at_level(logging.WARNING):
+        job = _resume(copy_of_run)
+    assert job.resumed_from == checkpoints / "step_4" and job.step == 4
+    assert (f"{checkpoints / 'latest'} names step_2, but step_4 was completed after it was written (a save stopped "
+            "before moving it); trying the newest checkpoint that verifies") in caplog.text
+
+
+def test_latest_moved_back_after_a_newer_step_still_wins(copy_of_run: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    checkpoints = _checkpoints(copy_of_run)
+    _set_latest(checkpoints, "step_2", seconds_after_step_4=1.0)
+    with caplog.at_level(logging.WARNING):
+        job = _resume(copy_of_run)
+    assert job.resumed_from == checkpoints / "step_2" and job.step == 2
+    assert "was completed after it was written" not in caplog.text
 
 
 def test_a_load_failure_after_verification_leaves_nothing_half_loaded(

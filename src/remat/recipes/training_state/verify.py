@@ -2,8 +2,9 @@
 that verifies and loads, stop with one line when none does, and move checkpoints aside for an explicit restart.
 
 Order of trial (`resume_candidates`): the checkpoint ``latest`` names, then every other ``step_<N>`` directory, newest
-step first. Each is first verified (every file's size and SHA-256, by rank 0 only, the verdict broadcast), and only a
-checkpoint that verifies is loaded into the model, optimizer, scheduler and RNGs; a load that still fails (on any
+step first; but complete checkpoints of higher steps finished after ``latest`` was written (a save killed between
+publishing its step and moving ``latest``) come before it. Each is first verified (every file's size and SHA-256, by
+rank 0 only, the verdict broadcast), and only a checkpoint that verifies is loaded into the model, optimizer, scheduler and RNGs; a load that still fails (on any
 rank: the ranks exchange their outcome) moves every rank on to the next one, whose load overwrites all of that
 state again. Each skipped checkpoint is logged once with its reason. A `ConfigError` from a load (the recipe does not
 fit the checkpoint: peft or not, shapes, strategy) is not a broken checkpoint: it stops at once, since every older
@@ -28,6 +29,7 @@ from remat.recipes.training_state.digest import HASH_ALGORITHM, digests
 from remat.recipes.training_state.layout import (
     COMPLETE_MARKER,
     LATEST_FILE,
+    _step_of,
     atomic_write_text,
     incomplete_reason,
     is_step_name,
@@ -99,7 +101,21 @@ def resume_candidates(root: Path) -> tuple[list[Path], str | None]:
     if root / name not in ordered:
         return ordered, f"{pointer} names {name}, which does not exist"
     ordered.remove(root / name)
+    newer = [p for p in ordered if _step_of(p) > _step_of(root / name) and _finished_after(p, pointer)]
+    if newer:  # a save published them but was stopped (kill -9) before it moved `latest`: they come first
+        rest = [p for p in ordered if p not in newer]
+        return [*newer, root / name, *rest], (f"{pointer} names {name}, but {newer[0].name} was completed after "
+                                              "it was written (a save stopped before moving it)")
     return [root / name, *ordered], None
+
+
+def _finished_after(checkpoint: Path, pointer: Path) -> bool:
+    """Whether `checkpoint`'s marker was written after `pointer` (a save writes the marker, publishes, then moves
+    ``latest``; a step saved before ``latest`` was moved elsewhere is older than the pointer and does not count)."""
+    try:
+        return (checkpoint / COMPLETE_MARKER).stat().st_mtime_ns > pointer.stat().st_mtime_ns
+    except OSError:
+        return False
 
 
 def load_newest_verified(root: Path, load: Callable[[Path], T]) -> tuple[Path, T] | None:
