@@ -426,8 +426,8 @@ def write_report(out: Path, results: list[FaultResult], settings: FaultSettings,
                                                    indent=1) + "\n")
     lines = ["# Fault injection: kill -9 during saves, corrupted checkpoint files", "",
              f"{head['date']}; torch {head['torch']}, Python {head['python']}; {head['machine']}.", "",
-             *(f"    {command}" for command in commands), "", table(rows), "", "| scenario | try | ok | hit a save | detail | problems |",
-             "|---|---|---|---|---|---|"]
+             *(f"    {command}" for command in commands), "", table(rows), "",
+             "| scenario | try | ok | hit a save | detail | problems |", "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.scenario} | {r.index} | {'yes' if r.ok else 'NO'} | {r.hit_save} | {r.detail} | "
                      f"{'; '.join(r.problems + r.lost)} |")
