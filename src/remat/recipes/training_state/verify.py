@@ -6,9 +6,9 @@ step first; but complete checkpoints of higher steps finished after ``latest`` w
 publishing its step and moving ``latest``) come before it. Each is first verified (every file's size and SHA-256, by
 rank 0 only, the verdict broadcast), and only a checkpoint that verifies is loaded into the model, optimizer,
 scheduler and RNGs; a load that still fails (on any rank: the ranks exchange their outcome) moves every rank on to
-the next one, whose load overwrites all of that state again. Each skipped checkpoint is logged once with its reason. A `ConfigError` from a load (the recipe does not
-fit the checkpoint: peft or not, shapes, strategy) is not a broken checkpoint: it stops at once, since every older
-one would fail the same way. Nothing here deletes or rewrites a checkpoint: once a fallback has loaded, the skipped
+the next one, whose load overwrites all of that state again. Each skipped checkpoint is logged once with its reason.
+A `ConfigError` from a load (the recipe does not fit the checkpoint: peft or not, shapes, strategy) is not a broken
+checkpoint: it stops at once, since every older one would fail the same way. Nothing here deletes or rewrites a checkpoint: once a fallback has loaded, the skipped
 ones are moved, intact, into ``<root>/.broken-<UTC time>/`` and ``latest`` is pointed at the one loaded, so that the
 resumed run's saves of the same step numbers never replace them and pruning never counts them.
 """
