@@ -8,9 +8,10 @@ rank 0 only, the verdict broadcast), and only a checkpoint that verifies is load
 scheduler and RNGs; a load that still fails (on any rank: the ranks exchange their outcome) moves every rank on to
 the next one, whose load overwrites all of that state again. Each skipped checkpoint is logged once with its reason.
 A `ConfigError` from a load (the recipe does not fit the checkpoint: peft or not, shapes, strategy) is not a broken
-checkpoint: it stops at once, since every older one would fail the same way. Nothing here deletes or rewrites a checkpoint: once a fallback has loaded, the skipped
-ones are moved, intact, into ``<root>/.broken-<UTC time>/`` and ``latest`` is pointed at the one loaded, so that the
-resumed run's saves of the same step numbers never replace them and pruning never counts them.
+checkpoint: it stops at once, since every older one would fail the same way. Nothing here deletes or rewrites a
+checkpoint: once a fallback has loaded, the skipped ones are moved, intact, into ``<root>/.broken-<UTC time>/`` and
+``latest`` is pointed at the one loaded, so that the resumed run's saves of the same step numbers never replace them
+and pruning never counts them.
 """
 
 from __future__ import annotations
