@@ -426,7 +426,13 @@ def write_report(out: Path, results: list[FaultResult], settings: FaultSettings,
                                                    indent=1) + "\n")
     lines = ["# Fault injection: kill -9 during saves, corrupted checkpoint files", "",
              f"{head['date']}; torch {head['torch']}, Python {head['python']}; {head['machine']}.", "",
-             *(f"    {command}" for command in commands), "", table(rows), "",
+             *(f"    {command}" for command in commands), "",
+             "*Hit a save*: the kill landed while the save's temporary directory existed (the write phase); kills in "
+             "the phase after it (publishing `step_N`, moving `latest`, pruning) are not counted as hits. *Lost*: a "
+             "checkpoint complete before the fault that is missing or fails to verify after it (unless `keep_last` "
+             "newer ones verify), a deleted file, or a resume from an older step than the newest checkpoint that "
+             "verifies. Details and the scenarios: the docstring of `benchmarks/fault_injection.py`.", "",
+             table(rows), "",
              "| scenario | try | ok | hit a save | detail | problems |", "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.scenario} | {r.index} | {'yes' if r.ok else 'NO'} | {r.hit_save} | {r.detail} | "
