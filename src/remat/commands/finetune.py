@@ -90,6 +90,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     recipe = FinetuneRecipe(cfg)
     try:
         result = recipe.run()
+        # Every rank leaves together: rank 0 may still be drawing the run's report, and gloo's teardown was seen to
+        # hang (1 in 20 ddp runs) when one rank destroyed the process group while its peer was still busy.
+        recipe.dist.barrier()
     finally:
         recipe.dist.close()
     return result.exit_code
