@@ -6,7 +6,12 @@ Tests of the CUDA paths carry ``@pytest.mark.gpus(n)`` (n defaults to 1): they r
 are visible, and are skipped with a reason that names the count otherwise.
 """
 
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 # Before torch is imported anywhere in the test session: see the note in remat/cli.py.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -29,3 +34,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if have < needed:
         pytest.skip(f"needs {needed} CUDA device{'s' if needed > 1 else ''}; this machine has {have} "
                     "(torch.cuda.device_count())")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def benchmark_script() -> Callable[[str], ModuleType]:
+    """Import ``benchmarks/<name>.py`` (the scripts are not a package), so tests can run their short forms."""
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -6,27 +6,18 @@ re-run must resume from the newest checkpoint that verifies. (A kill of one of 2
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fault_injection.py"
 
 
-def _faults_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("fault_injection", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_flipped_bytes_keep_the_size_and_stay_in_the_named_region(tmp_path: Path) -> None:
-    faults = _faults_module()
+def test_flipped_bytes_keep_the_size_and_stay_in_the_named_region(tmp_path: Path,
+        benchmark_script: Callable[[str], ModuleType]) -> None:
+    faults = benchmark_script("fault_injection")
     header = b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
     original = len(header).to_bytes(8, "little") + header + bytes(range(8))
     path = tmp_path / "model.safetensors"
@@ -39,8 +30,10 @@ def test_flipped_bytes_keep_the_size_and_stay_in_the_named_region(tmp_path: Path
         assert all(i in region for i in changed), (kind, changed)
 
 
-def test_a_vanished_checkpoint_counts_as_lost_unless_newer_ones_replace_it(tmp_path: Path) -> None:
-    faults = _faults_module()
+def test_a_vanished_checkpoint_counts_as_lost_unless_newer_ones_replace_it(
+        tmp_path: Path,
+        benchmark_script: Callable[[str], ModuleType]) -> None:
+    faults = benchmark_script("fault_injection")
     root = tmp_path / "checkpoints"
     root.mkdir()
     assert faults.lost_after_kill(root, ["step_1", "step_2"], keep_last=2) == (["step_1", "step_2"], [])
@@ -49,8 +42,10 @@ def test_a_vanished_checkpoint_counts_as_lost_unless_newer_ones_replace_it(tmp_p
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc (Linux)")
-def test_kills_during_saves_and_corrupt_files_lose_no_checkpoint(tmp_path: Path, remat_cache: Path) -> None:
-    faults = _faults_module()
+def test_kills_during_saves_and_corrupt_files_lose_no_checkpoint(
+        tmp_path: Path, remat_cache: Path,
+        benchmark_script: Callable[[str], ModuleType]) -> None:
+    faults = benchmark_script("fault_injection")
     settings = faults.FaultSettings(max_steps=5, timeout_s=240)
     results = faults.run_scenarios(["single", "corrupt_stacked"], 1, tmp_path, settings, seed=5, echo=False)
     results += faults.run_scenarios(["single"], 1, tmp_path / "again", settings, seed=6, echo=False)

@@ -5,30 +5,22 @@ that was complete at the kill."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "restart_trials.py"
-
-
-def _trials_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("restart_trials", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc (Linux)")
-def test_a_killed_rank_is_restarted_and_the_run_resumes(tmp_path: Path, remat_cache: Path) -> None:
-    trials = _trials_module()
+def test_a_killed_rank_is_restarted_and_the_run_resumes(
+        tmp_path: Path, remat_cache: Path,
+        benchmark_script: Callable[[str], ModuleType]) -> None:
+    trials = benchmark_script("restart_trials")
     settings = trials.TrialSettings(max_steps=6, ckpt_every=1, kill_after=(2, 3), max_delay_s=0.5, timeout_s=400)
     result = trials.run_trial(0, tmp_path, settings, random.Random(3))
     assert result.ok, f"{result.problems}\n{result.log_tail}"
