@@ -50,7 +50,8 @@ def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", probe, *args], env=env, cwd=cwd, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("args", [("--help",), ("finetune", "--help"), ("estimate", "--help"), ("report", "--help")])
+@pytest.mark.parametrize("args", [("--help",), ("finetune", "--help"), ("estimate", "--help"), ("report", "--help"),
+                                  ("plan", "--help"), ("recipes", "--help")])
 def test_help_loads_neither_torch_nor_transformers(args: tuple[str, ...], tmp_path: Path) -> None:
     done = _run_cli(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -65,3 +66,9 @@ def test_a_recipe_mistake_is_reported_before_torch_loads(tmp_path: Path) -> None
     assert done.returncode == 2
     assert "step_sceduler: unknown key; did you mean 'step_scheduler'?" in done.stderr
     assert "heavy: []" in done.stderr
+
+
+def test_listing_the_shipped_recipes_loads_neither_torch_nor_transformers(tmp_path: Path) -> None:
+    done = _run_cli("recipes", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "quickstart" in done.stdout and "heavy: []" in done.stderr
