@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.checkpointing.discovery import find_blocks
+from remat.checkpointing.discovery import find_blocks, find_final_norms
 from remat.checkpointing.hf_native import hf_method
 from remat.checkpointing.plan import CheckpointPlan, LayerPlan
 from remat.checkpointing.policy import PolicyLike, merge_options, parse_policy
@@ -65,17 +65,23 @@ def apply_activation_checkpointing(
     if not parsed.enabled:
         return CheckpointPlan.empty(parsed, model_class, "policy 'none': nothing wrapped")
     _refuse_double_wrapping(model)
-    plan = resolve_plan(parsed, find_blocks(model, parsed.block_pattern), model_class)
+    search = find_blocks(model, parsed.block_pattern)
+    plan = resolve_plan(parsed, search, model_class)
 
     offload = None
     if any(layer.offload for layer in plan.layers):
         offload = offload_context if offload_context is not None else _default_offload_context(model)
     modules = dict(model.named_modules())
     runners = _runners(plan, offload)
+    outside = _tiled_final_norms(model, search, plan)
+    runners.update(outside)
     for name, runner in runners.items():
         wrap_forward(modules[name], runner)
 
     notes = list(plan.notes)
+    if outside:
+        notes.append(f"the final norm ({', '.join(outside)}) runs over chunks of the tokens too: its fp32 copy of the "
+                     "hidden states exists one chunk at a time")
     if any(layer.mode in _RECOMPUTING_MODES for layer in plan.layers):
         switched = _switch_off_use_cache(model)
         if switched:
@@ -83,7 +89,7 @@ def apply_activation_checkpointing(
                 f"use_cache set to False on {', '.join(switched)}: recomputed blocks must not write a KV cache a "
                 "second time; remove_activation_checkpointing() restores it"
             )
-    plan = replace(plan, notes=tuple(notes), offload_context=offload)
+    plan = replace(plan, notes=tuple(notes), offload_context=offload, tiled_outside=tuple(outside))
     logger.info("activation checkpointing: %s", plan.summary())
     for note in plan.notes:
         logger.info("activation checkpointing: %s", note)
@@ -126,6 +132,17 @@ def _runners(plan: CheckpointPlan, offload: AbstractContextManager[Any] | None) 
             else:
                 runners[name] = _runner_for(layer, layer_offload, segments)
     return runners
+
+
+def _tiled_final_norms(model: nn.Module, search: Any, plan: CheckpointPlan) -> dict[str, Runner]:
+    """With tiled blocks, the per-position norms after the last block (`find_final_norms`) run over chunks of the
+    same length: an RMSNorm that upcasts (Llama's) otherwise keeps a fp32 ``[tokens, hidden]`` copy for backward,
+    the largest full-length tensor outside the blocks at long sequence."""
+    tiled = [layer for layer in plan.layers if layer.tiled]
+    if not tiled:
+        return {}
+    return {name: TiledRunner(tiled[-1].tile_tokens, f"{name} (the final norm)")
+            for name in find_final_norms(model, search)}
 
 
 def _runner_for(

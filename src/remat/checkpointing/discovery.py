@@ -300,3 +300,25 @@ def _outermost_named(block: nn.Module, predicate: Callable[[nn.Module], bool]) -
                 yield from visit(full, child)
 
     yield from visit("", block)
+
+
+def find_final_norms(model: nn.Module, search: BlockSearch) -> tuple[str, ...]:
+    """The full name of the per-position norm that runs on the last block's output, as a tuple of zero or one: the
+    first direct child of the blocks' container's parent registered after the container that `find_norms` accepts
+    (``model.norm`` of Llama, ``transformer.ln_f`` of GPT-2, ``gpt_neox.final_layer_norm``; Gemma 3n's later
+    ``per_layer_projection_norm`` is not it). Empty when the blocks came from a regular expression or the container
+    is the model itself."""
+    if search.method == "block_pattern" and search.container not in dict(model.named_modules()):
+        return ()
+    parent_name, _, leaf = search.container.rpartition(".")
+    if not leaf:
+        return ()
+    parent = dict(model.named_modules()).get(parent_name)
+    if parent is None:
+        return ()
+    children = [name for name, _ in parent.named_children()]
+    if leaf not in children:
+        return ()
+    after = set(children[children.index(leaf) + 1:])
+    prefix = f"{parent_name}." if parent_name else ""
+    return tuple(prefix + name for name in find_norms(parent) if name in after)[:1]

@@ -83,6 +83,8 @@ class CheckpointPlan:
     layers: tuple[LayerPlan, ...] = ()
     container: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: Modules outside the blocks that run over chunks of the tokens (the final norm, with ``tiled: true``).
+    tiled_outside: tuple[str, ...] = ()
     #: The offloading context used by offloading layers (an `OffloadActivations`, whose ``stats`` say what moved).
     offload_context: Any = field(default=None, repr=False, compare=False)
 
@@ -110,7 +112,7 @@ class CheckpointPlan:
     @property
     def wrapped_modules(self) -> tuple[str, ...]:
         """Full names of every module whose forward was wrapped, in block order."""
-        return tuple(name for layer in self.layers for name in layer.wrapped)
+        return tuple(name for layer in self.layers for name in layer.wrapped) + self.tiled_outside
 
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:

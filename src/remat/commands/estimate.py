@@ -26,7 +26,12 @@ the fused loss, then one row per --setting. A --setting is KEY=VALUE[,KEY=VALUE.
 (batch_size, seq_length, dtype, autocast, policy, loss, optimizer, strategy, world_size, mixed_precision,
 grad_accumulation, documents_per_row, target); values are read as YAML. Without --compare, one --setting may adjust
 the single estimate. Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
-See docs/estimate.md for what is modelled and how the estimates compare with measurements.
+--longest answers instead the longest sequence whose predicted peak fits --fits, per setting (with --compare
+also full + tiled and full + tiled + offload, fused loss), from three estimates at shorter lengths extrapolated
+per phase (--confirm checks each answer with direct estimates):
+  remat estimate --preset llama-3.2-1b --batch-size 1 --dtype bfloat16 --longest --fits 80GiB --compare --json out.json
+See docs/estimate.md for what is modelled and how the estimates compare with measurements, docs/long-context.md for
+--longest.
 """
 
 COMPARE_POLICIES: tuple[str, ...] = ("none", "selective", "full")
@@ -46,6 +51,7 @@ _FLAGS: tuple[tuple[str, str], ...] = (
 def register(subparsers: Any) -> None:
     from typing import get_args
 
+    from remat.commands.estimate_longest import add_arguments as add_longest_arguments
     from remat.distributed.choices import MIXED_PRECISION, STRATEGIES
     from remat.estimate.choices import LOSS_TARGETS, TARGETS
     from remat.models.presets import preset_names
@@ -87,19 +93,25 @@ def register(subparsers: Any) -> None:
                      help="device memory to check against, e.g. 80GiB, 80G (= GiB) or 24GB (10^9 bytes)")
     out.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
     out.add_argument("--plot", metavar="PATH", help="write a PNG chart of the breakdown per setting")
+    add_longest_arguments(parser)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from remat.errors import ConfigError
+    from remat.commands.estimate_longest import check_arguments, longest_rows, run_longest
     from remat.estimate.api import estimate_memory
     from remat.estimate.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
 
+    check_arguments(args)
     capacity = parse_capacity(args.fits) if args.fits else None
     for flag, value in (("--json", args.json), ("--plot", args.plot)):
         if value:
             _check_output_path(flag, Path(value))
     model, base = _base(args, overrides)
     rows = _rows(args, base)
+    if args.longest and capacity is not None:
+        if args.compare:
+            rows = longest_rows(rows, len(COMPARE_POLICIES) * len(COMPARE_LOSSES))
+        return run_longest(args, model, rows, capacity)
     estimates = []
     for label, settings in rows:
         logger.info("estimating %s", label or settings.describe())
@@ -111,17 +123,22 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         print(breakdown_table(estimates[0], capacity_bytes=capacity))
     if args.json:
-        payload: Any = [e.to_dict() for e in estimates] if args.compare else estimates[0].to_dict()
-        path = Path(args.json)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(payload, indent=2) + "\n")
-        except OSError as err:
-            raise ConfigError(f"--json: cannot write {str(path)!r}: {err.strerror or err}") from err
-        logger.info("wrote %s", path)
+        write_json(Path(args.json), [e.to_dict() for e in estimates] if args.compare else estimates[0].to_dict())
     if args.plot:
         logger.info("wrote %s", plot_breakdowns(estimates, args.plot, capacity_bytes=capacity))
     return 0
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Write ``payload`` as indented JSON to ``--json PATH`` (parent directories created)."""
+    from remat.errors import ConfigError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    except OSError as err:
+        raise ConfigError(f"--json: cannot write {str(path)!r}: {err.strerror or err}") from err
+    logger.info("wrote %s", path)
 
 
 def _check_output_path(flag: str, path: Path) -> None:

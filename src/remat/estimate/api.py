@@ -74,11 +74,10 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping of every figure and setting (bytes as integers)."""
-        settings = {name: getattr(self.settings, name) for name in _SETTING_NAMES}
         return {
             "name": self.name,
             "model": self.model,
-            "settings": _jsonable(settings),
+            "settings": settings_dict(self.settings),
             "peak_bytes": self.peak_bytes,
             "peak_gib": round(self.peak_bytes / 2**30, 4),
             "peak_gb": round(self.peak_bytes / 1e9, 4),
@@ -228,6 +227,11 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
     model = _without_weights(cfg.model)
     check_simulable(settings.to_recipe(model), settings.run())
     return model, settings
+
+
+def settings_dict(settings: StepSettings) -> dict[str, Any]:
+    """The settings of an estimate as a JSON-ready mapping (the keyword names of `estimate_memory`)."""
+    return _jsonable({name: getattr(settings, name) for name in _SETTING_NAMES})
 
 
 def _jsonable(value: Any) -> Any:
