@@ -25,6 +25,7 @@ from torch import nn
 from remat.data import IGNORE_INDEX
 from remat.errors import ConfigError
 from remat.loss import output_head
+from remat.recipes.attention_mask import without_redundant_mask
 
 MODEL_INPUTS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
 
@@ -77,7 +78,8 @@ class CausalLMLoss(nn.Module):
 
 
     def forward(self, batch: Mapping[str, torch.Tensor], num_label_tokens: int | None = None) -> torch.Tensor:
-        inputs: dict[str, Any] = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        # a right-padding mask changes nothing for a causal LM but would make transformers build [tokens, tokens]
+        inputs: dict[str, Any] = without_redundant_mask({k: batch[k] for k in MODEL_INPUTS if k in batch})
         labels = batch["labels"]
         if self.use_hidden_states:
             hidden = self.decoder(**inputs, use_cache=False).last_hidden_state
