@@ -19,6 +19,15 @@ from the exact live-tensor tracker) so the test suite can keep it working.
 
     python benchmarks/bench_gpu.py                                        # llama-3.2-1b, 8 x 2048, bf16, AdamW
     python benchmarks/bench_gpu.py --batch 2 --seq 1024 --preset qwen3-0.6b
+
+``--long-context`` measures instead the long-context settings (`LONG_ROWS`: full + tiled + offloaded inputs, and
+full + tiled, both with the fused loss) at batch 1 and growing lengths (``--lengths``, default 512k, 768k, 1M
+tokens): one step per length and row, its peak and its own time (no warm-up: a first step, whose peak includes the
+optimizer state's creation), as many as fit in ``--budget-seconds`` (a length is skipped when the last step's time,
+scaled by the square of the length ratio for attention, would overrun it; a row that ran out of memory skips the
+longer lengths). Writes ``gpu_long_context_<device>.{md,json}``. One command, within a 10-minute limit:
+
+    python benchmarks/bench_gpu.py --long-context                         # llama-3.2-1b, bf16, 512k tokens and on
 """
 
 from __future__ import annotations
@@ -54,6 +63,12 @@ TORCH_SAC_ROW = "torch create_selective_checkpoint_contexts (TorchTitan-like ops
 ROWS: tuple[tuple[str, Any], ...] = (*POLICIES, (TORCH_SAC_ROW, TORCH_SAC))
 LOSSES = ("plain", "fused")
 GIB = 2**30
+#: --long-context rows: (label, remat policy), each with the fused loss.
+LONG_ROWS: tuple[tuple[str, Any], ...] = (
+    ("full + tiled + offload", {"mode": "full", "tiled": True, "tile_tokens": 2048, "offload": True}),
+    ("full + tiled", {"mode": "full", "tiled": True, "tile_tokens": 2048}),
+)
+LONG_LENGTHS = (524288, 786432, 1048576)
 
 
 @dataclasses.dataclass
@@ -148,7 +163,11 @@ def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: 
         result.plan = _plan(step, what)
         for _ in range(args.warmup):
             step.run()
+        _synchronize(device)
+        start = time.perf_counter()
         result.peak_bytes = _peak(step, device)
+        if args.steps == 0:  # the measured step's own time is the step time
+            result.step_seconds.append(time.perf_counter() - start)
         for _ in range(args.steps):
             _synchronize(device)
             start = time.perf_counter()
@@ -175,6 +194,56 @@ def run(args: argparse.Namespace, device: torch.device,
             results.append(measure(label, what, loss, args, device))
             report(results[-1])
     return results
+
+
+def run_long_context(args: argparse.Namespace, device: torch.device,
+                     report: Callable[[Result], None] = lambda r: None) -> list[Result]:
+    """`LONG_ROWS` at batch 1 and each of ``args.lengths``, one measured step each, within ``args.budget_seconds``
+    (see the module docstring)."""
+    results: list[Result] = []
+    start = time.perf_counter()
+    failed: set[str] = set()
+    last: tuple[int, float] | None = None  # (length, seconds) of the last step that ran
+    for length in args.lengths:
+        for label, policy in LONG_ROWS:
+            if label in failed:
+                continue
+            left = args.budget_seconds - (time.perf_counter() - start)
+            if last is not None and last[1] * (length / last[0]) ** 2 > left:
+                results.append(Result(label=label, loss="fused", tokens_per_step=length,
+                                      error=f"skipped: {left:.0f} s of the budget left, a step of {length:,} tokens "
+                                            f"would take about {last[1] * (length / last[0]) ** 2:.0f} s"))
+                report(results[-1])
+                continue
+            row = argparse.Namespace(**{**vars(args), "batch": 1, "seq": length, "warmup": 0, "steps": 0})
+            result = measure(label, policy, "fused", row, device)
+            results.append(result)
+            report(result)
+            if result.error is not None:
+                failed.add(label)
+            elif result.step_seconds:
+                last = (length, result.step_seconds[0])
+    return results
+
+
+def render_long_context(results: Sequence[Result], meta: dict[str, Any]) -> str:
+    """One row per (length, setting): the peak and the step time."""
+    lines = [f"# Long context on {meta['device']}", "",
+             f"- {meta['preset']}, batch 1, {meta['dtype']}, AdamW, fused loss; torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, Python {meta['python']}; {meta['date']}",
+             "- one step per row (no warm-up: the first step, whose peak includes creating AdamW's state); peak = "
+             "`max_memory_allocated`, step time = that step, synchronised",
+             "- command: `python benchmarks/bench_gpu.py " + " ".join(meta["argv"]) + "`", "",
+             "| tokens | setting | peak GiB | step s | tokens/s |", "|---:|---|---:|---:|---:|"]
+    for r in results:
+        if r.error is not None:
+            lines.append(f"| {r.tokens_per_step:,} | {r.label} | {r.error} | | |")
+            continue
+        lines.append(f"| {r.tokens_per_step:,} | {r.label} | {_fmt(r.peak_bytes / GIB if r.peak_bytes else None, '.2f')}"
+                     f" | {_fmt(r.median_seconds, '.1f')} | {_fmt(r.tokens_per_second, ',.0f')} |")
+    lines += ["", "Plans:", ""]
+    lines += [f"- `{r.label}` at {r.tokens_per_step:,} tokens: {r.plan}" for r in results if r.plan]
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -208,15 +277,17 @@ def render_markdown(results: Sequence[Result], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(results: Sequence[Result], meta: dict[str, Any], out: Path) -> Path:
-    """``gpu_policies_<device>.md`` and ``.json`` in ``out``; returns the markdown's path."""
+def write(results: Sequence[Result], meta: dict[str, Any], out: Path, *, long_context: bool = False) -> Path:
+    """``gpu_policies_<device>.md`` (``gpu_long_context_<device>.md`` with ``long_context``) and ``.json`` in
+    ``out``; returns the markdown's path."""
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"].lower()).strip("_")
-    stem = out / f"gpu_policies_{slug}"
+    stem = out / f"gpu_{'long_context' if long_context else 'policies'}_{slug}"
     rows = [dataclasses.asdict(r) | {"median_seconds": r.median_seconds, "tokens_per_second": r.tokens_per_second}
             for r in results]
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(render_markdown(results, meta))
+    render = render_long_context if long_context else render_markdown
+    stem.with_suffix(".md").write_text(render(results, meta))
     return stem.with_suffix(".md")
 
 
@@ -233,7 +304,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--check-on-cpu", action="store_true",
                         help="run the same code on the CPU with a tiny preset (for the test suite)")
+    parser.add_argument("--long-context", action="store_true",
+                        help="measure the long-context rows (LONG_ROWS) at batch 1 and --lengths instead")
+    parser.add_argument("--lengths", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                        help="with --long-context: comma-separated tokens per row (default 524288,786432,1048576; "
+                             "256,512 with --check-on-cpu)")
+    parser.add_argument("--budget-seconds", type=float, default=540.0,
+                        help="with --long-context: stop starting steps that would end after this (default 540)")
     args = parser.parse_args(argv)
+    if args.lengths is None:
+        args.lengths = [256, 512] if args.check_on_cpu else list(LONG_LENGTHS)
     cpu = args.check_on_cpu
     for name, gpu_default, cpu_default in (("preset", "llama-3.2-1b", "tiny-llama"), ("batch", 8, 2),
                                            ("seq", 2048, 64), ("dtype", "bfloat16", "float32")):
@@ -263,8 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               f"{r.tokens_per_second:,.0f} tokens/s")
         print(f"{r.label} + {r.loss}: {figures}", file=sys.stderr, flush=True)
 
-    results = run(args, device, report)
-    path = write(results, meta, args.out)
+    if args.long_context:
+        meta.update(lengths=args.lengths, budget_seconds=args.budget_seconds)
+        results = run_long_context(args, device, report)
+    else:
+        results = run(args, device, report)
+    path = write(results, meta, args.out, long_context=args.long_context)
     print(path.read_text())
     print(f"wrote {path} and {path.with_suffix('.json')}")
     return 0

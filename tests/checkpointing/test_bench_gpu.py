@@ -52,3 +52,30 @@ def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: p
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_long_context_check_on_cpu_measures_each_length(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench(monkeypatch)
+    assert bench.main(["--check-on-cpu", "--long-context", "--lengths", "64,128", "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("gpu_long_context_*.json")
+    data = json.loads(json_path.read_text())
+    assert data["meta"]["torch"] == torch.__version__ and data["meta"]["lengths"] == [64, 128]
+    rows = [(row["tokens_per_step"], row["label"]) for row in data["rows"]]
+    assert rows == [(n, label) for n in (64, 128) for label, _ in bench.LONG_ROWS]
+    assert all(row["error"] is None and len(row["step_seconds"]) == 1 and row["peak_bytes"] > 0
+               for row in data["rows"]), data["rows"]
+    markdown = json_path.with_suffix(".md").read_text()
+    assert data["meta"]["device"] in markdown and torch.__version__ in markdown and "| 128 | full + tiled |" in markdown
+
+
+def test_long_context_skips_a_length_that_would_overrun_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench(monkeypatch)
+    args = bench.parse_args(["--check-on-cpu", "--long-context", "--lengths", "128,4096", "--budget-seconds", "0.5"])
+
+    def slow(label: str, what: Any, loss: str, row: Any, device: Any) -> Any:
+        return bench.Result(label=label, loss=loss, tokens_per_step=row.seq, peak_bytes=1, step_seconds=[0.2])
+
+    monkeypatch.setattr(bench, "measure", slow)
+    results = bench.run_long_context(args, torch.device("cpu"))
+    assert [r.error is None for r in results] == [True, True, False, False]
+    assert results[2].error.startswith("skipped:") and "4,096 tokens would take about 205 s" in results[2].error
