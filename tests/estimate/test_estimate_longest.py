@@ -130,3 +130,48 @@ def test_cli_longest_writes_each_settings_longest_length(tmp_path: Path, capsys:
     payload = json.loads(out.read_text())
     assert payload["method"] == "extrapolated" and payload["longest_seq_length"] > 4096
     assert f"{payload['longest_seq_length']:,}" in capsys.readouterr().out
+
+
+def _fake_curve(monkeypatch: pytest.MonkeyPatch, peak_of: object) -> list[int]:
+    """Replace the simulation by ``peak_of(seq_length)`` (one phase); returns the lengths asked for."""
+    from remat.estimate import sampling
+
+    asked: list[int] = []
+
+    def fake(model: object, settings: object, seq_length: int) -> PeakSample:
+        asked.append(seq_length)
+        peak = int(peak_of(seq_length))  # type: ignore[operator]
+        return PeakSample(seq_length, peak, "backward", {"backward": peak}, 0.0)
+
+    monkeypatch.setattr(sampling, "sample_peak", fake)
+    return asked
+
+
+def test_a_curve_that_is_not_affine_falls_back_to_bisection(tiny: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _fake_curve(monkeypatch, lambda n: 100 * MiB + 16 * n * n)  # quadratic: a dense [T, T] mask
+    capacity = 2048 * MiB
+    (answer,) = find_longest(tiny, [("dense", StepSettings(target="cpu"))], capacity, window_start=4096,
+                             granularity=512)
+    exact = max(n for n in range(512, 200_000, 512) if 100 * MiB + 16 * n * n <= capacity)
+    assert answer.method == "bisection" and answer.seq_length == exact
+    assert any("not collinear" in note for note in answer.notes)
+    assert asked[:6] == [4096, 5120, 6144, 8192, 10240, 12288]  # the window, then the doubled window
+
+
+def test_an_answer_below_the_window_is_sampled_again_below_it(tiny: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _fake_curve(monkeypatch, lambda n: 50 * MiB + 4096 * n)
+    (answer,) = find_longest(tiny, [("steep", StepSettings(target="cpu"))], 100 * MiB, window_start=32768)
+    assert answer.method == "extrapolated" and answer.seq_length == (50 * MiB) // 4096 // 1024 * 1024
+    assert asked[3:] == [3072, 6144, 9216] and "sampled again below it" in answer.notes[0]
+
+
+def test_confirm_corrects_an_extrapolation_that_was_too_long(tiny: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # affine over the window, steeper beyond 20,000 tokens (a moment the window never sees)
+    _fake_curve(monkeypatch, lambda n: 10 * MiB + 1000 * n + (3000 * (n - 20_000) if n > 20_000 else 0))
+    capacity = 100 * MiB
+    (plain,) = find_longest(tiny, [("kink", StepSettings(target="cpu"))], capacity, window_start=4096)
+    (checked,) = find_longest(tiny, [("kink", StepSettings(target="cpu"))], capacity, window_start=4096, confirm=True)
+    exact = max(n for n in range(1024, 200_000, 1024)
+                if 10 * MiB + 1000 * n + (3000 * (n - 20_000) if n > 20_000 else 0) <= capacity)
+    assert plain.method == "extrapolated" and plain.seq_length > exact  # the documented error of extrapolation
+    assert checked.method == "corrected" and checked.seq_length == exact
