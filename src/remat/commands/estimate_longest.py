@@ -80,6 +80,7 @@ def run_longest(args: argparse.Namespace, model: Any, rows: list[tuple[str, Any]
     from remat.estimate.longest_report import longest_table
 
     jobs = args.jobs or min(4, os.cpu_count() or 1)
+    rows = [(label or settings.describe(), settings) for label, settings in rows]
     answers = find_longest(model, rows, capacity, confirm=args.confirm, granularity=args.granularity,
                            window_start=args.window_start, jobs=jobs)
     print(longest_table(answers, model=model.describe()))
