@@ -175,3 +175,22 @@ def test_confirm_corrects_an_extrapolation_that_was_too_long(tiny: object, monke
                 if 10 * MiB + 1000 * n + (3000 * (n - 20_000) if n > 20_000 else 0) <= capacity)
     assert plain.method == "extrapolated" and plain.seq_length > exact  # the documented error of extrapolation
     assert checked.method == "corrected" and checked.seq_length == exact
+
+
+def test_a_row_refused_when_run_is_answered_with_the_reason_and_the_others_go_on(
+        tiny: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.errors import CheckpointingError
+    from remat.estimate import sampling
+
+    def fake(model: object, settings: StepSettings, seq_length: int) -> PeakSample:
+        if settings.policy != "full":
+            raise CheckpointingError("tiled: model.layers.0 is a mixture-of-experts block; remove tiled")
+        peak = 10 * MiB + 1000 * seq_length
+        return PeakSample(seq_length, peak, "backward", {"backward": peak}, 0.0)
+
+    monkeypatch.setattr(sampling, "sample_peak", fake)
+    rows = [("tiled", StepSettings(policy={"mode": "full", "tiled": True, "tile_tokens": 1024}, target="cpu")),
+            ("full", StepSettings(policy="full", target="cpu"))]
+    refused, full = find_longest(tiny, rows, 100 * MiB, window_start=4096)
+    assert refused.method == "refused" and refused.seq_length is None and "mixture-of-experts" in refused.reason
+    assert full.method == "extrapolated" and full.seq_length == (90 * MiB) // 1000 // 1024 * 1024

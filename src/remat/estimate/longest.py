@@ -42,7 +42,7 @@ from typing import Any, Final, Literal
 
 from remat.checkpointing import parse_policy
 from remat.checkpointing.tiling import default_tile_tokens
-from remat.errors import ConfigError
+from remat.errors import ConfigError, RematError
 from remat.estimate.limits import MAX_MICRO_BATCH_TOKENS
 from remat.estimate.sampling import PeakSample, PeakSampler
 from remat.estimate.settings import StepSettings
@@ -59,7 +59,7 @@ COLLINEAR_BYTES: Final[int] = 16 * 2**20
 COLLINEAR_SHARE: Final[float] = 0.002
 MAX_SECANT_ROUNDS: Final[int] = 4
 
-Method = Literal["extrapolated", "confirmed", "corrected", "bisection", "not modelled", "nothing fits"]
+Method = Literal["extrapolated", "confirmed", "corrected", "bisection", "not modelled", "refused", "nothing fits"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ class PhaseLine:
 class LongestAnswer:
     """The longest sequence (tokens per row, at the settings' batch size) whose predicted peak fits ``capacity_bytes``.
 
-    ``seq_length`` is None when the setting is not modelled (``reason`` says why) and 0 when not even one
+    ``seq_length`` is None when the setting is not modelled, or refused when built or run (``reason`` says why),
+    and 0 when not even one
     granularity step fits. ``method``: how it was found (see the module docstring); ``predicted_peak_bytes``: the
     peak at the answer (from the line, or the direct estimate when there is one); ``direct``: the direct estimates
     made (bisection, confirmation).
@@ -181,9 +182,16 @@ def find_longest(model: ModelConfig, rows: Sequence[tuple[str, StepSettings]], c
                                   limit=(MAX_MICRO_BATCH_TOKENS // settings.batch_size) // g * g)
     with PeakSampler(model, jobs) as sampler:
         # The first windows of every row in one batch, so that the workers stay busy.
-        sampler.many([(s.settings, n) for s in searches.values() for n in s.window])
+        try:
+            sampler.many([(s.settings, n) for s in searches.values() for n in s.window])
+        except RematError:
+            pass  # remembered per request; the row it belongs to is answered "refused" below
         for index, search in searches.items():
-            answers[index] = _search(sampler, search, capacity_bytes, confirm)
+            try:
+                answers[index] = _search(sampler, search, capacity_bytes, confirm)
+            except RematError as err:  # refused when built or run (e.g. tiling an MoE block): said, not a number
+                answers[index] = LongestAnswer(search.label, search.settings, capacity_bytes, None, "refused",
+                                               search.granularity, reason=str(err))
     return [answers[i] for i in range(len(rows))]
 
 

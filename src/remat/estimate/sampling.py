@@ -12,10 +12,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import multiprocessing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from remat.errors import RematError
 from remat.estimate.settings import StepSettings
 from remat.models import ModelConfig
 
@@ -50,6 +51,14 @@ def sample_peak(model: ModelConfig, settings: StepSettings, seq_length: int) -> 
     return PeakSample(seq_length, steady.peak_bytes, steady.phase, dict(steady.phase_peaks), trace.seconds)
 
 
+def _outcome(run: Callable[[], PeakSample]) -> PeakSample | RematError:
+    """The sample, or the user-fixable error (`remat.errors.RematError`) that refused it; other errors propagate."""
+    try:
+        return run()
+    except RematError as err:
+        return err
+
+
 def _tiled(settings: StepSettings) -> bool:
     from remat.checkpointing import parse_policy
 
@@ -74,7 +83,7 @@ class PeakSampler:
         self.jobs = max(1, jobs)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         # keyed by the settings object's identity (settings hold mappings, so they do not hash); the object is kept
-        self._done: dict[tuple[int, int], tuple[StepSettings, PeakSample]] = {}
+        self._done: dict[tuple[int, int], tuple[StepSettings, PeakSample | RematError]] = {}
 
     def __enter__(self) -> PeakSampler:
         if self.jobs > 1:
@@ -89,18 +98,24 @@ class PeakSampler:
             self._pool = None
 
     def many(self, requests: Sequence[tuple[StepSettings, int]]) -> list[PeakSample]:
-        """The samples of ``requests`` ((settings, seq_length) pairs), in order; errors are raised as they came."""
+        """The samples of ``requests`` ((settings, seq_length) pairs), in order. A request refused with a
+        `remat.errors.RematError` (e.g. tiling an MoE block) is remembered and raised whenever it is asked for; the
+        other requests of the batch still run."""
         todo = {(id(s), n): (s, n) for s, n in requests if (id(s), n) not in self._done}
         if self._pool is None or len(todo) < 2:
             for key, (settings, length) in todo.items():
-                self._done[key] = (settings, sample_peak(self.model, settings, length))
+                self._done[key] = (settings, _outcome(lambda s=settings, n=length: sample_peak(self.model, s, n)))
         else:
             # the costliest first (tiled steps, longer sequences), so that no long one is left for the end
             order = sorted(todo, key=lambda k: (_tiled(todo[k][0]), todo[k][1]), reverse=True)
             futures = {k: (todo[k][0], self._pool.submit(sample_peak, self.model, *todo[k])) for k in order}
             for key, (settings, future) in futures.items():
-                self._done[key] = (settings, future.result())
-        return [self._done[(id(s), n)][1] for s, n in requests]
+                self._done[key] = (settings, _outcome(future.result))
+        results = [self._done[(id(s), n)][1] for s, n in requests]
+        for result in results:
+            if isinstance(result, RematError):
+                raise result  # the first user-fixable error of these requests (the others are kept)
+        return results  # type: ignore[return-value]
 
     def one(self, settings: StepSettings, seq_length: int) -> PeakSample:
         """The sample of one request."""
