@@ -5,12 +5,16 @@ fresh outputs (ops whose schema says an output aliases an input, i.e. views and 
 nothing), keyed by storage identity, and holds a weak reference whose callback subtracts the storage's bytes the
 moment the storage really dies. The live byte count is therefore exact at every op boundary, for real CPU/CUDA
 tensors and for fake tensors alike, through autograd backward and through non-reentrant checkpoint recompute.
+
+Storages created inside `LiveTensorTracker.host_allocations` (the host copies of an activation-offloading context)
+are counted apart, in host bytes (`host_bytes`, `host_peak_bytes`), and never in the device figures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import torch
@@ -177,6 +181,26 @@ class LiveTensorTracker(TorchDispatchMode):
         return self._peak
 
     @property
+    def host_bytes(self) -> int:
+        """Bytes of host storages (see `host_allocations`) alive now (frozen at exit)."""
+        return self._host_current
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Highest `host_bytes` since entry (not reset by `reset_peak`)."""
+        return self._host_peak
+
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Storages created by ops inside this block (on this tracker's thread) are host memory: counted in
+        `host_bytes`, not in the device figures. Re-entrant."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    @property
     def peak_breakdown(self) -> dict[str, int]:
         """Bytes per category (see class docstring) at the moment of the peak; sums to `peak_bytes`."""
         self._sync_phase()
@@ -248,9 +272,14 @@ class LiveTensorTracker(TorchDispatchMode):
         self._hook_handles = []
         # Dropping the weak references disables their callbacks: the figures freeze here.
         self._refs = {}
+        self._host_refs = {}
 
     def _clear(self) -> None:
         self._refs: dict[int, _StorageRef] = {}
+        self._host_refs: dict[int, _StorageRef] = {}
+        self._host_current = 0
+        self._host_peak = 0
+        self._host_depth = 0
         self._by_category = [0] * len(CATEGORIES)
         self._current = 0
         self._seq = 0
@@ -272,7 +301,10 @@ class LiveTensorTracker(TorchDispatchMode):
             # global-shape fake tensors in a private fake mode): nothing it makes is memory of the measured step.
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if _op_allocates(func):
+        if self._host_depth:
+            if _op_allocates(func):
+                self._track_host(out)
+        elif _op_allocates(func):
             self._track_outputs(out)
             if self._current > self._peak:
                 self._record_peak(func)
@@ -286,6 +318,21 @@ class LiveTensorTracker(TorchDispatchMode):
         elif isinstance(out, (tuple, list)):
             for item in out:
                 self._track_outputs(item)
+
+    def _track_host(self, out: Any) -> None:
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+                storage = tensor.untyped_storage()
+                if id(storage) not in self._host_refs and id(storage) not in self._refs:
+                    nbytes = int(storage.nbytes())
+                    self._host_refs[id(storage)] = _StorageRef(storage, self._on_host_free, id(storage), nbytes, -1, 0)
+                    self._host_current += nbytes
+                    self._host_peak = max(self._host_peak, self._host_current)
+
+    def _on_host_free(self, ref: _StorageRef) -> None:
+        if self._host_refs.get(ref.key) is ref:
+            del self._host_refs[ref.key]
+            self._host_current -= ref.nbytes
 
     def _track_new(self, storage: torch.UntypedStorage | None) -> None:
         if storage is not None and id(storage) not in self._refs:
