@@ -179,7 +179,8 @@ class Planner:
             blocks.append(BlockChoice(index=index, name=name, kind=kind.name, mode=mode, kept_bytes=cost.kept_bytes,
                                       saved_bytes=none.kept_bytes - cost.kept_bytes,
                                       recompute_flops=cost.recompute_flops))
-        notes = ["offloading what a block keeps is not chosen: the estimate does not model host offload yet"]
+        notes = ["offloading what a block keeps is not chosen by the planner (its time model has no transfer term); "
+                 "the estimate prices it: remat estimate --policy '{mode: full, offload: true}'"]
         if self.settings.grad_accumulation > 1:
             notes.append(f"FLOPs are per optimizer step ({self.settings.grad_accumulation} micro-batches); bytes "
                          "per micro-batch")
