@@ -191,3 +191,15 @@ def test_host_allocations_count_apart_from_device_bytes() -> None:
     assert (tracker.peak_bytes, tracker.host_peak_bytes) == (12000, 10000)
     assert sum(tracker.peak_breakdown.values()) == tracker.peak_bytes
     del device
+
+
+def test_host_rounding_counts_what_the_host_allocator_takes() -> None:
+    from remat.memory.tracker import pinned_block_bytes
+
+    assert [pinned_block_bytes(n) for n in (0, 1, 3000, 4096, 4097)] == [0, 1, 4096, 4096, 8192]
+    with LiveTensorTracker(host_rounding=pinned_block_bytes) as tracker:
+        with tracker.host_allocations():
+            host = torch.empty(750)  # 3,000 bytes, a 4,096-byte pinned block
+        assert tracker.host_bytes == 4096
+        del host
+    assert (tracker.host_bytes, tracker.host_peak_bytes, tracker.peak_bytes) == (0, 4096, 0)

@@ -6,7 +6,9 @@ simulation keeps that context and its settings (``min_bytes``, ``prefetch``, whi
 things only:
 
 - its host buffers are allocated inside the tracker's `LiveTensorTracker.host_allocations`, so they count as host
-  memory (``StepTrace.host_peak``) and never in the device peak;
+  memory (``StepTrace.host_peak``) and never in the device peak; pinned ones (on ``target="cuda"`` with the
+  context's ``pin_memory``) at the power-of-two size PyTorch's caching host allocator gives them
+  (`remat.memory.tracker.pinned_block_bytes`);
 - on ``target="cuda"`` it copies tensors that are on the CPU (``copy_cpu_tensors``): the simulation's fake tensors
   live on the CPU but stand for device tensors. On ``target="cpu"`` it does what the recipe's CPU run does, which is
   to leave tensors already in host memory alone, so the offload changes nothing there and uses no host bytes
@@ -23,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from remat.checkpointing.offload import OffloadActivations
-from remat.memory.tracker import LiveTensorTracker
+from remat.memory.tracker import LiveTensorTracker, pinned_block_bytes
 
 if TYPE_CHECKING:
     from remat.estimate.simulate import SimulatedRun
@@ -35,16 +37,18 @@ def offload_copies_cpu_tensors(run: SimulatedRun) -> bool:
     return run.target == "cuda" if run.copy_cpu_tensors is None else run.copy_cpu_tensors
 
 
-def count_offload_on_host(plan: Any, tracker: LiveTensorTracker, copy_cpu_tensors: bool) -> OffloadActivations | None:
-    """Point the offload context of ``plan`` (a `CheckpointPlan` or None) at ``tracker``'s host allocations and set
-    whether it copies CPU tensors; return the context (None when nothing is offloaded)."""
+def count_offload_on_host(plan: Any, tracker: LiveTensorTracker, run: SimulatedRun) -> OffloadActivations | None:
+    """Point the offload context of ``plan`` (a `CheckpointPlan` or None) at ``tracker``'s host allocations, with
+    pinned sizes on a GPU, and set whether it copies CPU tensors; return the context (None when nothing is
+    offloaded)."""
     context = getattr(plan, "offload_context", None)
     if context is None:
         return None
     if not isinstance(context, OffloadActivations):
         raise TypeError(f"the estimate models OffloadActivations only, not {type(context).__name__}")
-    context.copy_cpu_tensors = copy_cpu_tensors
+    context.copy_cpu_tensors = offload_copies_cpu_tensors(run)
     context.host_scope = tracker.host_allocations
+    tracker.host_rounding = pinned_block_bytes if run.target == "cuda" and context.pin_memory else None
     context.reset_stats()
     return context
 

@@ -49,7 +49,7 @@ from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
 from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
 from remat.estimate.limits import check_simulated_sizes
-from remat.estimate.offload import count_offload_on_host, describe_offload, offload_copies_cpu_tensors
+from remat.estimate.offload import count_offload_on_host, describe_offload
 from remat.memory.tracker import LiveTensorTracker
 from remat.models import resolve_model_config
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
@@ -210,7 +210,7 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
         parts = root.decoder if root.use_hidden_states else net
         hook = parts.register_forward_hook(lambda *_: trace.mark("loss"))
         tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
-        offload = count_offload_on_host(setup.plan, tracker, offload_copies_cpu_tensors(run))
+        offload = count_offload_on_host(setup.plan, tracker, run)
 
         def mark(label: str) -> None:
             trace.mark(label)

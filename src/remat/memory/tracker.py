@@ -43,6 +43,12 @@ _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """The bytes PyTorch's caching host allocator takes for a pinned buffer of ``nbytes``: the next power of two (its
+    blocks are power-of-two sized so that freed ones are reused; they stay cached, pinned, for later copies)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
 def _active_fake_mode() -> Any:
     """The fake-tensor mode in effect (None on real tensors)."""
     return torch._C._get_dispatch_mode(_FAKE_MODE_KEY)
@@ -147,6 +153,11 @@ class LiveTensorTracker(TorchDispatchMode):
     allocator model). Values freeze when the block exits;
     entering again starts a new measurement. Entering a tracker that is already active raises `RuntimeError`;
     two different trackers may be nested and each counts everything inside it.
+
+    Host memory: storages created inside `host_allocations()` (give it to an offloading context as its
+    ``host_scope``) are host copies. They count in `host_bytes` / `host_peak_bytes` only, never in `current_bytes`,
+    `peak_bytes` or a category, and the listener is not told of them. ``host_rounding`` (None: exact bytes) maps a
+    host storage's bytes to what its allocator takes for it (e.g. `pinned_block_bytes`).
     """
 
     # Higher-order operators (flex_attention, ...) come to __torch_dispatch__ as one op: their outputs are
@@ -159,8 +170,10 @@ class LiveTensorTracker(TorchDispatchMode):
         module: nn.Module | None = None,
         optimizer: Optimizer | None = None,
         listener: StorageListener | None = None,
+        host_rounding: Callable[[int], int] | None = None,
     ) -> None:
         super().__init__()
+        self.host_rounding = host_rounding
         self._module = module
         self._optimizer = optimizer
         self._listener = listener
@@ -325,6 +338,8 @@ class LiveTensorTracker(TorchDispatchMode):
                 storage = tensor.untyped_storage()
                 if id(storage) not in self._host_refs and id(storage) not in self._refs:
                     nbytes = int(storage.nbytes())
+                    if self.host_rounding is not None:
+                        nbytes = self.host_rounding(nbytes)
                     self._host_refs[id(storage)] = _StorageRef(storage, self._on_host_free, id(storage), nbytes, -1, 0)
                     self._host_current += nbytes
                     self._host_peak = max(self._host_peak, self._host_current)
