@@ -183,8 +183,8 @@ def test_cuda_benchmark_runs_the_same_step_and_matches_on_the_cpu() -> None:
     against a CPU estimate, where every row must match exactly."""
     bench = _bench_cuda_module()
     assert bench.main(["--check-on-cpu", "--preset", "tiny-llama", "--batch-size", "2", "--seq-length", "32",
-                       "--dtype", "float32", "--autocast", "bfloat16", "--policies", "none,selective",
-                       "--losses", "fused"]) == 0
+                       "--dtype", "float32", "--autocast", "bfloat16",
+                       "--policies", "none,selective,{mode: full, offload: true}", "--losses", "fused"]) == 0
 
 
 def test_cuda_benchmark_refuses_to_run_without_a_gpu(capsys: pytest.CaptureFixture[str],
@@ -200,8 +200,8 @@ LIBRARY_WORKSPACE_ALLOWANCE = 64 * 2**20
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("policy", ["none", "full"])
-def test_cuda_estimate_matches_max_memory_allocated(policy: str) -> None:
+@pytest.mark.parametrize("policy", ["none", "full", {"mode": "full", "offload": True}])
+def test_cuda_estimate_matches_max_memory_allocated(policy: Any) -> None:
     """The estimate (``target="cuda"``) against ``torch.cuda.max_memory_allocated`` of step 2 of the same step on
     the GPU, measured by benchmarks/bench_estimate_cuda.py's own code (llama-20m, 4 x 1024, fp32, AdamW: ~2.4 GiB
     without checkpointing, ~0.8 GiB with full)."""
