@@ -71,7 +71,6 @@ def test_unknown_models_are_config_errors(model: Any, message: str) -> None:
     ({"dtype": "int8"}, "dtype: got 'int8'"),
     ({"target": "tpu"}, "target: got 'tpu'"),
     ({"mixed_precision": "bfloat16"}, "mixed_precision: 'bfloat16' is FSDP2's"),
-    ({"policy": "offload"}, "offloads activations"),
     ({"policy": "fulll"}, "policy"),
     ({"documents_per_row": 40}, "documents_per_row: 40"),
     ({"batchsize": 2}, "batchsize: not a setting"),

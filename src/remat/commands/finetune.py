@@ -77,16 +77,23 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         refuse_if_held(run_directories(cfg))  # another run writes there: refused before starting workers
         if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
             check_cuda_devices(int(options.nproc_per_node or "1"))
-        if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
-            overrides = restart_before_launch(cfg, options.node_rank, overrides)
-        worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
-        return launch(options, worker)
+        from remat.commands.host_memory import checked_before_launch
+
+        nproc = options.nproc_per_node or "1"  # host memory for activation offload: checked once per node, here
+        with checked_before_launch(cfg, local_ranks=int(nproc) if nproc.isdigit() else None, world_size=world_size):
+            if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
+                overrides = restart_before_launch(cfg, options.node_rank, overrides)
+            worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
+            return launch(options, worker)
     process = ProcessEnv.from_environ()
     if process.rank != 0:  # only rank 0 reports; the others say only what goes wrong
         logging.getLogger("remat").setLevel(logging.WARNING)
     note = single_process_note(cfg.distributed.strategy, process.world_size, args.recipe)
     if note is not None:
         logging.getLogger(__name__).warning(note)
+    from remat.commands.host_memory import check_in_worker
+
+    check_in_worker(cfg, local_ranks=process.local_world_size, world_size=process.world_size)
     recipe = FinetuneRecipe(cfg)
     try:
         result = recipe.run()

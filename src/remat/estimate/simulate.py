@@ -24,6 +24,9 @@ Details that make the fake step the real one:
   reducer's gradient buckets are added from the start of the step: DDP keeps one flat buffer per bucket (the first of
   1 MiB, the others of 25 MiB, filled in reverse parameter order as `dist._compute_bucket_assignment_by_size` does)
   for the whole run, next to the ``.grad`` tensors (``gradient_as_bucket_view=False``, the default).
+- Offloading policies run the recipe's own `remat.checkpointing.offload.OffloadActivations` hooks
+  (`remat.estimate.offload`): its host copies are counted as host memory (``StepTrace.host_peak``), not in the
+  device figures.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
 from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
 from remat.estimate.limits import check_simulated_sizes
+from remat.estimate.offload import count_offload_on_host, describe_offload
 from remat.memory.tracker import LiveTensorTracker
 from remat.models import resolve_model_config
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
@@ -69,6 +73,9 @@ class SimulatedRun:
     world_size: int = 1
     documents_per_row: int = 1
     vocab_size: int | None = None
+    copy_cpu_tensors: bool | None = None
+    """Whether an offloading policy's context copies tensors that are already on the CPU to its host buffers: None
+    decides by ``target`` (see `remat.estimate.offload.offload_copies_cpu_tensors`)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,8 @@ class StepTrace:
     """(number of events recorded before the mark, label)."""
     tracked_peak: int = 0
     tracked_breakdown: dict[str, int] = field(default_factory=dict)
+    host_peak: int = 0
+    """The most bytes of offloaded activations held in host memory at once (0 without offloading)."""
     parameters: int = 0
     trainable_parameters: int = 0
     attention_kernels: dict[str, int] = field(default_factory=dict)
@@ -201,6 +210,7 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
         parts = root.decoder if root.use_hidden_states else net
         hook = parts.register_forward_hook(lambda *_: trace.mark("loss"))
         tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
+        offload = count_offload_on_host(setup.plan, tracker, run)
 
         def mark(label: str) -> None:
             trace.mark(label)
@@ -227,6 +237,9 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
             hook.remove()
     trace.tracked_peak = tracker.peak_bytes
     trace.tracked_breakdown = tracker.peak_breakdown
+    trace.host_peak = tracker.host_peak_bytes
+    if offload is not None:
+        trace.notes.append(describe_offload(offload, tracker.host_peak_bytes))
     if isinstance(attention, CudaAttention):
         trace.attention_kernels = {k: v for k, v in attention.kernels.items() if v}
     if mode.cpu_attention_calls:
@@ -255,11 +268,6 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     if d.cpu_offload:
         raise ConfigError("distributed.cpu_offload: true keeps FSDP2's state in host memory, which the estimate does "
                           "not model; allowed: false")
-    policy = d.activation_checkpointing
-    if policy.offload or policy.mode == "offload" or any(o.offload or o.mode == "offload" for o in policy.layers):
-        raise ConfigError(f"distributed.activation_checkpointing: {policy.describe()!r} offloads activations to host "
-                          "memory, which the estimate does not model; allowed: none, full, selective, attention, "
-                          "mlp, sqrt (with every_n_layers / segments / per-layer modes)")
     seq_length = recipe.dataset.seq_length
     if not 1 <= run.documents_per_row <= seq_length // 2:
         raise ConfigError(f"documents_per_row: {run.documents_per_row} documents do not fit a row of {seq_length} "
