@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import types
 from typing import Any
 
@@ -13,6 +14,9 @@ from pydantic import BaseModel
 NAME = "finetune"
 
 logger = logging.getLogger(__name__)
+
+AUTO_PLANNED_ENV = "REMAT_AUTO_PLANNED"
+"""Set by the launcher for its workers when the recipe asked for ``auto`` (it passes them the chosen policy)."""
 
 DESCRIPTION = """\
 Fine-tune a causal LM from a YAML recipe. Any recipe key can be overridden on the command line with its dotted
@@ -80,6 +84,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
             overrides = restart_before_launch(cfg, options.node_rank, overrides)
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
+        if planned:  # the workers get the chosen policy as an override; this tells them it may be re-planned
+            os.environ[AUTO_PLANNED_ENV] = "1"
         return launch(options, worker)
     process = ProcessEnv.from_environ()
     if process.rank != 0:  # only rank 0 reports; the others say only what goes wrong
@@ -87,7 +93,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     note = single_process_note(cfg.distributed.strategy, process.world_size, args.recipe)
     if note is not None:
         logging.getLogger(__name__).warning(note)
-    recipe = FinetuneRecipe(cfg)
+    recipe = FinetuneRecipe(cfg, replanner=_run_time_replanner(cfg, process.world_size)
+                            if planned or os.environ.get(AUTO_PLANNED_ENV) == "1" else None)
     try:
         result = recipe.run()
         # Every rank leaves together: rank 0 may still be drawing the run's report, and gloo's teardown was seen to
@@ -96,6 +103,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+def _run_time_replanner(cfg: Any, world_size: int) -> Any:
+    """The re-planner of an ``auto`` run (`remat.planner.adapt`), or None with ``distributed.max_replans: 0``."""
+    if cfg.distributed.max_replans == 0:
+        return None
+    from remat.planner.adapt import adapter_for_recipe
+
+    return adapter_for_recipe(cfg, world_size=world_size)
 
 
 def _print_config(cfg: Any) -> int:
