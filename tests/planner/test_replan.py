@@ -216,4 +216,8 @@ def test_the_adapter_of_an_auto_recipe_holds_its_budget_and_first_policy(tmp_pat
     adapter = adapter_for_recipe(cfg)
     assert adapter.budget_bytes == 3 * 2**20 and adapter.policy == CheckpointPolicy(mode="selective")
     assert adapter.state_dict() == {"policy": {"mode": "selective"}, "planning_budget": 3 * 2**20,
-                                    "budget_bytes": 3 * 2**20}
+                                    "budget_bytes": 3 * 2**20, "predicted_peak_bytes": None}
+    # A saved state of another budget is not taken over; one of this budget is.
+    assert adapter.load_state_dict({**adapter.state_dict(), "policy": {"mode": "full"}, "budget_bytes": 2**30}) is None
+    assert adapter.load_state_dict({**adapter.state_dict(), "policy": {"mode": "full"}}) == CheckpointPolicy(mode="full")
+    assert adapter.policy == CheckpointPolicy(mode="full")

@@ -15,9 +15,16 @@ fits never pays for it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Final
+
+import torch.distributed as dist
 
 from remat.checkpointing import CheckpointPolicy, parse_policy
 from remat.errors import ConfigError
@@ -38,17 +45,20 @@ class PlanAdapter:
     """Re-plans for ``budget_bytes`` (per rank) starting from ``policy`` (the plan applied at start).
 
     ``make_planner`` builds the `Planner` of the run's step (`remat.planner.api.planner_for_recipe`); it is called
-    once, on the first re-plan (or when a resumed run needs a description).
+    once, on the first re-plan (or when a resumed run needs a description). ``child``: the recipe (validated, JSON
+    types) and world size to plan in a child process when this process has joined a process group (the estimate
+    simulates fsdp2 in a process group of its own, which a process can have only one of); see `plan_in_child`.
     """
 
-    def __init__(self, make_planner: Callable[[], Planner], *, budget_bytes: int,
-                 policy: CheckpointPolicy) -> None:
+    def __init__(self, make_planner: Callable[[], Planner], *, budget_bytes: int, policy: CheckpointPolicy,
+                 child: tuple[dict[str, Any], int] | None = None) -> None:
         self._make_planner = make_planner
         self._planner: Planner | None = None
         self._budget = budget_bytes
-        self.initial = policy
+        self._child = child
         self.policy = policy
         self.planning_budget = budget_bytes
+        self.predicted_peak: int | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -62,12 +72,24 @@ class PlanAdapter:
             self._planner = self._make_planner()
         return self._planner
 
+    @property
+    def _in_child(self) -> bool:
+        return self._child is not None and dist.is_available() and dist.is_initialized()
+
     def describe(self) -> str:
         """The policy in force and its predicted peak."""
-        return f"{self.policy.describe()} (predicted peak {size(self.planner.estimate(self.policy).peak_bytes)})"
+        if self.predicted_peak is None and not self._in_child:
+            self.predicted_peak = self.planner.estimate(self.policy).peak_bytes
+        known = f" (predicted peak {size(self.predicted_peak)})" if self.predicted_peak is not None else ""
+        return self.policy.describe() + known
 
     def replan(self, overshoot: Overshoot) -> Replan:
         """The plan for the corrected planning budget (module docstring); `ConfigError` when nothing fits it."""
+        if self._in_child:
+            assert self._child is not None
+            replan, state = plan_in_child(*self._child, self.state_dict(), overshoot)
+            self.load_state_dict(state)
+            return replan
         estimate = self.planner.estimate(self.policy)
         predicted = forward_backward_peak(estimate)
         if overshoot.peak_bytes is not None:
@@ -82,23 +104,23 @@ class PlanAdapter:
         except ConfigError as err:
             raise ConfigError(f"no plan fits the corrected planning budget {size(planning)} (the budget "
                               f"{size(self._budget)} less the prediction's error): {err}") from err
-        self.policy, self.planning_budget = plan.policy, planning
-        return Replan(policy=plan.policy, old=old,
-                      new=f"{self.describe()} planned for {size(planning)}")
+        self.policy, self.planning_budget, self.predicted_peak = plan.policy, planning, plan.peak_bytes
+        return Replan(policy=plan.policy, old=old, new=f"{self.describe()} planned for {size(planning)}")
 
     def state_dict(self) -> dict[str, Any]:
-        """The policy in force and the planning budget it was chosen for (JSON types)."""
+        """The policy in force, its predicted peak and the planning budget it was chosen for (JSON types)."""
         return {"policy": self.policy.to_dict(), "planning_budget": self.planning_budget,
-                "budget_bytes": self._budget}
+                "budget_bytes": self._budget, "predicted_peak_bytes": self.predicted_peak}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> CheckpointPolicy | None:
         """Take a saved re-planned policy back when it was re-planned for this same budget; returns it when it
-        differs from the policy applied at start, else None. A checkpoint of another budget is not taken (the
-        run plans anew for its own)."""
+        differs from the policy in force, else None. A checkpoint of another budget is not taken (the run plans
+        anew for its own)."""
         if "policy" not in state or state.get("budget_bytes") != self._budget:
             return None
         policy = parse_policy(state["policy"], key="train_state.replan.planner.policy")
         self.planning_budget = int(state.get("planning_budget", self._budget))
+        self.predicted_peak = state.get("predicted_peak_bytes")
         if policy == self.policy:
             return None
         self.policy = policy
@@ -108,11 +130,54 @@ class PlanAdapter:
 def adapter_for_recipe(cfg: RecipeConfig, *, world_size: int = 1) -> PlanAdapter:
     """The `PlanAdapter` of a recipe whose ``auto`` was resolved into ``cfg``'s policy (the policy applied at
     start), for ``distributed.memory_budget`` on ``world_size`` processes, as `load_planned_recipe` planned it."""
-    probe = validate_recipe(apply_overrides(cfg.model_dump(mode="json", by_alias=True), [(_POLICY_KEY, "none")]))
+    data = cfg.model_dump(mode="json", by_alias=True)
+    probe = validate_recipe(apply_overrides(data, [(_POLICY_KEY, "none")]))
     target = default_target(cfg.distributed.device)
     options = {"world_size": world_size} if world_size > 1 and probe.distributed.strategy != "single" else {}
     return PlanAdapter(lambda: planner_for_recipe(probe, target=target, **options),
-                       budget_bytes=recipe_budget(probe, None, target), policy=cfg.distributed.activation_checkpointing)
+                       budget_bytes=recipe_budget(probe, None, target), policy=cfg.distributed.activation_checkpointing,
+                       child=(data, world_size))
+
+
+#: Variables torchrun sets for its workers: a planning child process must not take itself for one.
+_LAUNCH_VARIABLES: Final[tuple[str, ...]] = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                             "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any],
+                  overshoot: Overshoot) -> tuple[Replan, dict[str, Any]]:
+    """`PlanAdapter.replan` run by ``python -m remat.planner.adapt`` in a child process without a process group
+    (with this process's import path): returns the re-plan and the adapter's new state; `ConfigError` with the
+    child's message when it finds no plan, `RuntimeError` with its output when it fails otherwise."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    request = json.dumps({"recipe": recipe, "world_size": world_size, "state": state,
+                          "overshoot": dataclasses.asdict(overshoot)})
+    proc = subprocess.run([sys.executable, "-m", "remat.planner.adapt"], input=request, capture_output=True,
+                          text=True, env=env, check=False)
+    lines = proc.stdout.strip().splitlines()
+    answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    if answer is None:
+        raise RuntimeError(f"re-planning in a child process failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    if "error" in answer:
+        raise ConfigError(answer["error"])
+    replan = answer["replan"]
+    return (Replan(policy=parse_policy(replan["policy"]), old=replan["old"], new=replan["new"]), answer["state"])
+
+
+def _child_main() -> None:
+    """The child of `plan_in_child`: one JSON request on stdin, one JSON answer as the last line of stdout."""
+    request = json.loads(sys.stdin.read())
+    cfg = validate_recipe(request["recipe"])
+    adapter = adapter_for_recipe(cfg, world_size=request["world_size"])
+    adapter.load_state_dict(request["state"])
+    try:
+        replan = adapter.replan(Overshoot(**request["overshoot"]))
+    except ConfigError as err:
+        print(json.dumps({"error": str(err)}))
+        return
+    print(json.dumps({"replan": {"policy": replan.policy.to_dict(), "old": replan.old, "new": replan.new},
+                      "state": adapter.state_dict()}))
 
 
 def forward_backward_peak(estimate: MemoryEstimate) -> int:
@@ -120,3 +185,7 @@ def forward_backward_peak(estimate: MemoryEstimate) -> int:
     whole-step peak when it has no phases."""
     peaks = [peak for phase, peak in estimate.phase_peaks.items() if not phase.startswith(UPDATE_PHASE)]
     return max(peaks) if peaks else estimate.peak_bytes
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from remat.checkpointing import CheckpointPolicy
@@ -179,14 +180,43 @@ class StepRetry:
     def _replan(self, overshoot: Overshoot) -> None:
         if self.replans >= self.max_replans:
             raise self._exhausted(overshoot)
-        try:
-            replan = self.replanner.replan(overshoot)
-        except RematError as err:
-            raise MemoryBudgetError(f"re-planning at step {overshoot.step} after {overshoot.reason}: {err}") from err
+        replan = self._agreed_replan(overshoot)
         self.setup.replace_checkpointing(self.model, replan.policy)
         self.replans += 1
         self.log(f"re-plan {self.replans}/{self.max_replans} at step {overshoot.step}: {overshoot.reason}; "
                  f"activation checkpointing {replan.old} -> {replan.new}; retrying step {overshoot.step}")
+
+    def _agreed_replan(self, overshoot: Overshoot) -> Replan:
+        """The replanner's answer; with several ranks, rank 0's, broadcast (every rank swaps in the same policy and
+        takes over the replanner's state), and its error raised on every rank."""
+        failure: str | None = None
+        replan: Replan | None = None
+        if not self.setup.is_distributed or self.setup.rank == 0:
+            try:
+                replan = self.replanner.replan(overshoot)
+            except RematError as err:
+                if not self.setup.is_distributed:
+                    raise MemoryBudgetError(self._failed(overshoot, err)) from err
+                failure = str(err)
+            except Exception as err:  # a bug: the other ranks must not wait for rank 0 forever
+                if not self.setup.is_distributed:
+                    raise
+                failure = f"{type(err).__name__} on rank 0: {err}"
+        if not self.setup.is_distributed:
+            assert replan is not None
+            return replan
+        payload: list[Any] = [(replan, self.replanner.state_dict() if replan is not None else None, failure)]
+        dist.broadcast_object_list(payload, src=0)
+        replan, state, failure = payload[0]
+        if replan is None:
+            raise MemoryBudgetError(self._failed(overshoot, failure))
+        if self.setup.rank != 0:
+            self.replanner.load_state_dict(state)
+        return replan
+
+    @staticmethod
+    def _failed(overshoot: Overshoot, error: object) -> str:
+        return f"re-planning at step {overshoot.step} after {overshoot.reason}: {error}"
 
     def _exhausted(self, overshoot: Overshoot) -> MemoryBudgetError:
         done = (f"after {self.replans} re-plan(s) (distributed.max_replans: {self.max_replans})" if self.max_replans
