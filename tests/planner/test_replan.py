@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from remat.planner.adapt import PlanAdapter, adapter_for_recipe, forward_backwar
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
 from remat.recipes.replan import Overshoot, size
+
+GIB = 2**30
 
 MODEL = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
@@ -221,3 +224,35 @@ def test_the_adapter_of_an_auto_recipe_holds_its_budget_and_first_policy(tmp_pat
     assert adapter.load_state_dict({**adapter.state_dict(), "policy": {"mode": "full"}, "budget_bytes": 2**30}) is None
     assert adapter.load_state_dict({**adapter.state_dict(), "policy": {"mode": "full"}}) == CheckpointPolicy(mode="full")
     assert adapter.policy == CheckpointPolicy(mode="full")
+
+
+def test_remat_finetune_gives_auto_runs_and_their_workers_a_replanner(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    from remat.cli import main
+    from remat.commands.finetune import AUTO_PLANNED_ENV, _workers_told_auto
+
+    given: list[Any] = []
+
+    def record(job: FinetuneRecipe) -> RunResult:
+        given.append(job.replanner)
+        return RunResult()
+
+    monkeypatch.setattr(FinetuneRecipe, "run", record)
+    monkeypatch.delenv(AUTO_PLANNED_ENV, raising=False)
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(recipe(tmp_path, policy="auto", distributed={"memory_budget": "1GiB"})))
+    assert main(["finetune", str(path)]) == 0
+    assert isinstance(given[-1], PlanAdapter) and given[-1].budget_bytes == GIB
+    assert given[-1].policy == CheckpointPolicy(mode="none")  # 1 GiB: nothing to checkpoint
+    assert main(["finetune", str(path), "--distributed.max_replans", "0"]) == 0 and given[-1] is None
+    assert main(["finetune", str(path), "--distributed.activation_checkpointing", "full"]) == 0 and given[-1] is None
+    # A torchrun worker of an auto launch gets the chosen policy as an override, and the launcher's word (set
+    # for the launch only).
+    with _workers_told_auto(True):
+        assert os.environ[AUTO_PLANNED_ENV] == "1"
+    assert AUTO_PLANNED_ENV not in os.environ
+    monkeypatch.setenv(AUTO_PLANNED_ENV, "1")
+    assert main(["finetune", str(path), "--distributed.activation_checkpointing", "full"]) == 0
+    assert isinstance(given[-1], PlanAdapter) and given[-1].policy == CheckpointPolicy(mode="full")

@@ -4,9 +4,11 @@ process or in worker processes started by torchrun."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -84,9 +86,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
             overrides = restart_before_launch(cfg, options.node_rank, overrides)
         worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
-        if planned:  # the workers get the chosen policy as an override; this tells them it may be re-planned
-            os.environ[AUTO_PLANNED_ENV] = "1"
-        return launch(options, worker)
+        with _workers_told_auto(planned):
+            return launch(options, worker)
     process = ProcessEnv.from_environ()
     if process.rank != 0:  # only rank 0 reports; the others say only what goes wrong
         logging.getLogger("remat").setLevel(logging.WARNING)
@@ -103,6 +104,22 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+@contextlib.contextmanager
+def _workers_told_auto(planned: bool) -> Iterator[None]:
+    """While launching: tell the workers (through their environment) that the policy they get as an override was
+    planned from ``auto``, so they may re-plan it; this process's environment is left as it was."""
+    before = os.environ.get(AUTO_PLANNED_ENV)
+    if planned:
+        os.environ[AUTO_PLANNED_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(AUTO_PLANNED_ENV, None)
+        else:
+            os.environ[AUTO_PLANNED_ENV] = before
 
 
 def _run_time_replanner(cfg: Any, world_size: int) -> Any:
