@@ -75,7 +75,8 @@ def biased(planner: Planner) -> Planner:
     def estimate(policy: CheckpointPolicy) -> MemoryEstimate:
         est = true_estimate(policy)
         return dataclasses.replace(est, peak_bytes=int(est.peak_bytes * UNDER_PREDICTION),
-                                   phase_peaks={k: int(v * UNDER_PREDICTION) for k, v in est.phase_peaks.items()})
+                                   phase_peaks={k: int(v * UNDER_PREDICTION) for k, v in est.phase_peaks.items()},
+                                   breakdown={k: int(v * UNDER_PREDICTION) for k, v in est.breakdown.items()})
 
     copy_.estimate = estimate  # type: ignore[method-assign]
     return copy_
@@ -111,9 +112,10 @@ def test_an_under_predicting_first_plan_is_replanned_and_the_step_retried(
     job, result = train(recipe(tmp_path, policy=wrong.to_dict()), replanner=adapter)
     out = capsys.readouterr().out
     assert outcomes(result) == reference[:3]
-    assert job.retry is not None and job.retry.replans >= 1
+    # One re-plan, in step 1 (before the optimizer state exists: the correction leaves it out of the prediction).
+    assert job.retry is not None and job.retry.replans == 1
     lines = [line for line in out.splitlines() if line.startswith("re-plan ")]
-    assert len(lines) == job.retry.replans
+    assert len(lines) == 1
     assert lines[0].startswith("re-plan 1/3 at step 1: the step's peak ")
     assert f"exceeded the budget {size(budget)}; activation checkpointing {wrong.describe()} (predicted" in lines[0]
     assert "retrying step 1" in lines[0]

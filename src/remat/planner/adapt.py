@@ -5,7 +5,8 @@ The plan's prediction was off by what the step measured: ``error = measured - pr
 forward and backward (the part checkpointing changes; the prediction is the estimate's highest phase peak outside
 the optimizer update). The new plan is chosen for a planning budget that leaves room for that error however it
 scales: ``min(budget - error, budget * predicted / measured)``, i.e. the correction that assumes the estimate is
-off by a constant and the one that assumes it is off by a factor, whichever asks for more. After an out-of-memory
+off by a constant and the one that assumes it is off by a factor, whichever asks for more (in the first step, before
+the optimizer state exists, the prediction is taken without that state). After an out-of-memory
 error nothing was measured: the planning budget becomes `OOM_SHRINK` less than the failed plan's prediction.
 Either way the planning budget is below the failed plan's predicted peak, so the new plan keeps less.
 
@@ -92,6 +93,8 @@ class PlanAdapter:
             return replan
         estimate = self.planner.estimate(self.policy)
         predicted = forward_backward_peak(estimate)
+        if overshoot.first_update:  # the estimate is of a later step, whose peak holds the optimizer state
+            predicted -= estimate.breakdown.get("optimizer_state", 0)
         if overshoot.peak_bytes is not None:
             measured = overshoot.peak_bytes
             planning = min(self._budget - (measured - predicted), self._budget * predicted // max(measured, 1))

@@ -137,8 +137,7 @@ class FinetuneRecipe:
         )
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
         self.retry = (StepRetry(self.replanner, max_replans=cfg.distributed.max_replans, setup=self.dist,
-                                model=self.model, meter=self.memory_meter,
-                                zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True))
+                                model=self.model, meter=self.memory_meter, optimizer=self.optimizer)
                       if self.replanner is not None else None)
         self.step = 0
         self.data_fingerprint = dataset_fingerprint(self.train_data)

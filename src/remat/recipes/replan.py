@@ -67,12 +67,14 @@ class StepOverBudget(Exception):
 @dataclass(frozen=True)
 class Overshoot:
     """Why a step is retried: its measured forward+backward ``peak_bytes`` (max over ranks) over ``budget_bytes``,
-    or (``peak_bytes`` None) an out-of-memory ``error``. ``step`` is the step's number (1 = the first)."""
+    or (``peak_bytes`` None) an out-of-memory ``error``. ``step`` is the step's number (1 = the first);
+    ``first_update``: the optimizer had no state yet (its first update: the peak held no optimizer state)."""
 
     step: int
     budget_bytes: int
     peak_bytes: int | None = None
     error: str | None = None
+    first_update: bool = False
 
     @property
     def reason(self) -> str:
@@ -125,13 +127,13 @@ class StepRetry:
     """
 
     def __init__(self, replanner: Replanner, *, max_replans: int, setup: DistributedSetup, model: nn.Module,
-                 meter: StepMemoryMeter, zero_grad: Callable[[], None]) -> None:
+                 meter: StepMemoryMeter, optimizer: torch.optim.Optimizer) -> None:
         self.replanner = replanner
         self.max_replans = max_replans
         self.setup = setup
         self.model = model
         self.meter = meter
-        self.zero_grad = zero_grad
+        self.optimizer = optimizer
         self.log: Callable[[str], None] = logger.info
         self.replans = 0
         self._phase: str | None = None
@@ -156,23 +158,25 @@ class StepRetry:
         """``run_step()`` (one training step, calling `mark`), retried after a re-plan while it goes over the
         budget or runs out of memory before its update; ``step`` is its number, for the log."""
         rng = capture_rng_state()
+        first_update = not self.optimizer.state
         while True:
             self._phase = None
             try:
                 return run_step()
             except StepOverBudget as over:
-                overshoot = Overshoot(step, self.budget_bytes, peak_bytes=over.peak_bytes)
+                overshoot = Overshoot(step, self.budget_bytes, peak_bytes=over.peak_bytes, first_update=first_update)
             except OUT_OF_MEMORY as err:
                 if self._phase == UPDATE_PHASE or self.setup.is_distributed:
                     raise  # the update may be half applied, or the other ranks wait in a collective
-                overshoot = Overshoot(step, self.budget_bytes, error=str(err).splitlines()[0] if str(err) else None)
+                overshoot = Overshoot(step, self.budget_bytes, error=str(err).splitlines()[0] if str(err) else None,
+                                      first_update=first_update)
             self._free()
             self._replan(overshoot)
             restore_rng_state(rng)
 
     def _free(self) -> None:
         """Drop what the failed attempt left: gradients, unreachable activations, CUDA's cached blocks."""
-        self.zero_grad()
+        self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
