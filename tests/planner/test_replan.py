@@ -179,6 +179,22 @@ def test_more_overshoots_than_max_replans_stop_with_what_would_help(planner: Pla
     assert adapter.policy != right  # it did re-plan once before giving up
 
 
+def test_an_out_of_memory_error_in_the_optimizer_update_is_not_retried(planner: Planner, budget: int,
+                                                                       tmp_path: Path) -> None:
+    right = planner.plan(budget).policy
+    adapter = PlanAdapter(lambda: planner, budget_bytes=budget, policy=right)
+
+    def in_update(job: FinetuneRecipe) -> None:
+        def oom(*args: Any, **kwargs: Any) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in the update)")
+
+        job.optimizer.step = oom  # type: ignore[method-assign]
+
+    with pytest.raises(torch.OutOfMemoryError, match="injected in the update"):
+        train(recipe(tmp_path, policy=right.to_dict()), replanner=adapter, prepare=in_update)
+    assert adapter.policy == right  # no re-plan: the update may be half applied
+
+
 def test_a_budget_nothing_can_meet_after_correction_is_one_clear_error(planner: Planner, budget: int) -> None:
     full = CheckpointPolicy(mode="full")
     adapter = PlanAdapter(lambda: planner, budget_bytes=budget, policy=full)
