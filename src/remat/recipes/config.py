@@ -145,7 +145,7 @@ class TrainingConfig(StrictModel):
     max_nonfinite_steps: PositiveInt = 3
 
 
-PLANNER_KEYS: tuple[str, ...] = ("memory_budget",)
+PLANNER_KEYS: tuple[str, ...] = ("memory_budget", "planner_calibration")
 """``distributed`` keys read by the planner (`remat.planner`, above the recipe), not by ``DistributedSetup.build``."""
 
 
@@ -170,6 +170,8 @@ class DistributedConfig(StrictModel):
     device: Literal[DEVICE_CHOICES] = "auto"  # type: ignore[valid-type]
     activation_checkpointing: TypedPolicy = Field(default_factory=lambda: parse_policy(False))
     memory_budget: PositiveInt | PositiveFloat | str | None = None
+    planner_calibration: str | None = None
+    """A JSON file of `remat profile --write-calibration`: the measured throughput the planner prices recompute at."""
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
     cp_size: PositiveInt = 1
