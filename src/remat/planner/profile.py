@@ -50,7 +50,7 @@ def parse_settings(policies: str | Sequence[str], budgets: Sequence[str] = ()) -
             settings += [Setting(f"auto@{b}" if len(budgets) > 1 else AUTO, None, b) for b in (budgets or [None])]
             continue
         try:
-            policy = parse_policy(name, key="--policies")
+            policy = parse_policy(_YAML_BOOLS.get(name.lower(), name), key="--policies")
         except ConfigError as err:
             raise ConfigError(f"{err}; or {AUTO} (planned for each --budget), comma-separated") from None
         settings.append(Setting(name.lower(), policy))
@@ -61,6 +61,9 @@ def parse_settings(policies: str | Sequence[str], budgets: Sequence[str] = ()) -
     if budgets and not any(s.is_auto for s in settings):
         raise ConfigError("--budget: only 'auto' is planned for a budget; add auto to --policies or drop --budget")
     return settings
+
+
+_YAML_BOOLS = {"true": True, "false": False}  # as the recipe key reads them
 
 
 def _allowed() -> str:
