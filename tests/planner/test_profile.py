@@ -4,6 +4,7 @@ overrides) producing the table, JSON, PNG and a calibration with sane values."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,20 @@ def test_write_calibration_without_none_is_refused_before_anything_runs(capsys: 
 
     assert main(["profile", str(QUICKSTART), "--policies", "full", "--write-calibration", "x.json"]) == 2
     assert "error: --write-calibration: needs none among --policies" in capsys.readouterr().err
+
+
+def test_a_budget_that_is_no_size_stops_before_any_step(capsys: pytest.CaptureFixture[str]) -> None:
+    from remat.cli import main
+
+    assert main(["profile", str(QUICKSTART), "--policies", "none,auto", "--budget", "20 bananas", *TINY]) == 2
+    captured = capsys.readouterr()
+    assert "error: --budget: " in captured.err and "profile [1/2]" not in captured.out
+
+
+def test_a_budget_nothing_fits_is_reported_and_the_exit_status_is_1(capsys: pytest.CaptureFixture[str]) -> None:
+    from remat.cli import main
+
+    assert main(["profile", str(QUICKSTART), "--policies", "auto", "--budget", "1MiB", "--steps", "2", *TINY]) == 1
+    out = capsys.readouterr().out
+    assert "profile [1/1] auto: distributed.memory_budget: nothing fits 0.00 GiB" in out
+    assert re.search(r"^auto +- +- +-", out, flags=re.M)  # the row is there, without figures

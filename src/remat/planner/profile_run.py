@@ -28,7 +28,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat.errors import ConfigError
-from remat.planner.api import default_target, planner_for_recipe, recipe_budget, recipe_for_planning
+from remat.planner.api import default_target, device_bytes, planner_for_recipe, recipe_budget, recipe_for_planning
+from remat.planner.budget import parse_budget
 from remat.planner.measure import FLOP_FORMULAS
 from remat.planner.planner import Planner
 from remat.planner.profile import PlanSummary, ProfileReport, Setting, SettingResult
@@ -51,44 +52,57 @@ RUN_OVERRIDES: tuple[tuple[str, Any], ...] = (
 def profile_recipe(data: Mapping[str, Any], settings: Sequence[Setting], *, recipe: str, steps: int, warmup: int = 1,
                    workdir: str | Path | None = None, echo: Callable[[str], None] = print) -> ProfileReport:
     """Run every setting for ``steps`` steps of the recipe ``data`` (its validated mapping, overrides applied) and
-    return what each measured; ``warmup`` first steps (at least 1: its FLOPs are counted) leave the medians."""
+    return what each measured; ``warmup`` first steps (at least 1: its FLOPs are counted) leave the medians.
+    ``auto`` settings are planned first, so a malformed budget stops everything before any step runs."""
     if warmup < 1 or steps <= warmup:
         raise ConfigError(f"--steps: got {steps} with --warmup {warmup}; allowed: --warmup >= 1 (the first step is "
                           "counted by the FLOP counter, not timed) and --steps > --warmup")
     base = apply_overrides(dict(data), [*RUN_OVERRIDES, ("step_scheduler.max_steps", steps)])
     probe = recipe_for_planning(base)
     target = default_target(probe.distributed.device)
-    planner: Planner | None = None
-    results = []
+    results = _plan_settings(settings, probe, target, warmup)
     with _work_folder(workdir) as folder:
-        for number, setting in enumerate(settings, 1):
-            result = SettingResult(setting.label, warmup=warmup)
-            policy = setting.policy
-            if setting.is_auto:
-                planner = planner or planner_for_recipe(probe, target=target)
-                try:
-                    plan = planner.plan(recipe_budget(probe, setting.budget, target))
-                except ConfigError as err:
-                    result.error = str(err)
-                    echo(f"profile [{number}/{len(settings)}] {setting.label}: {err}")
-                    results.append(result)
-                    continue
-                policy = plan.policy
-                result.plan = PlanSummary(plan.budget_bytes, plan.policy.describe(), plan.peak_bytes,
-                                          plan.recompute_flops)
-            assert policy is not None
-            result.policy, result.policy_text = policy.to_dict(), policy.describe()
-            echo(f"profile [{number}/{len(settings)}] {setting.label} ({result.policy_text}): {steps} steps, the "
-                 f"first {warmup} warm-up")
-            cfg = validate_recipe(apply_overrides(base, [(POLICY_KEY, policy.to_dict()),
+        for number, (setting, result) in enumerate(zip(settings, results, strict=True), 1):
+            where = f"profile [{number}/{len(settings)}] {setting.label}"
+            if result.error:
+                echo(f"{where}: {result.error}")
+                continue
+            echo(f"{where} ({result.policy_text}): {steps} steps, the first {warmup} warm-up")
+            cfg = validate_recipe(apply_overrides(base, [(POLICY_KEY, result.policy),
                                                          ("output_dir", str(folder / _slug(setting.label)))]))
             _run_setting(cfg, result)
-            results.append(result)
             if result.ok:
-                echo(f"profile [{number}/{len(settings)}] {setting.label}: peak {result.peak / 2**30:.3f} GiB, "
-                     f"median step {result.median_step_s:.4f} s, {result.tokens_per_s:.0f} tokens/s")
+                echo(f"{where}: peak {result.peak / 2**30:.3f} GiB, median step {result.median_step_s:.4f} s, "
+                     f"{result.tokens_per_s:.0f} tokens/s")
     return ProfileReport(recipe=recipe, device=device_name(target), target=target,
                          torch_version=torch.__version__, steps=steps, warmup=warmup, results=results)
+
+
+def _plan_settings(settings: Sequence[Setting], probe: Any, target: str, warmup: int) -> list[SettingResult]:
+    """One empty result per setting with its concrete policy; ``auto`` planned for its budget (one `Planner` for
+    all), or its error when nothing fits. A budget that is not a size is a `ConfigError` naming ``--budget``."""
+    budgets = {s.label: parse_budget(s.budget, device_bytes=device_bytes(target), key="--budget")
+               if s.budget is not None else recipe_budget(probe, None, target) for s in settings if s.is_auto}
+    planner: Planner | None = None
+    results = []
+    for setting in settings:
+        result = SettingResult(setting.label, warmup=warmup)
+        policy = setting.policy
+        if setting.is_auto:
+            planner = planner or planner_for_recipe(probe, target=target)
+            try:
+                plan = planner.plan(budgets[setting.label])
+            except ConfigError as err:
+                result.error = str(err)
+                results.append(result)
+                continue
+            policy = plan.policy
+            result.plan = PlanSummary(plan.budget_bytes, plan.policy.describe(), plan.peak_bytes,
+                                      plan.recompute_flops)
+        assert policy is not None
+        result.policy, result.policy_text = policy.to_dict(), policy.describe()
+        results.append(result)
+    return results
 
 
 def _run_setting(cfg: Any, result: SettingResult) -> None:
