@@ -70,6 +70,10 @@ def test_the_table_gives_medians_after_warmup_and_ratios_to_none() -> None:
             "0.1 TFLOP (counted 0.1)") in text
     assert "auto@1MiB: nothing fits" in text
     assert report.loss_difference() == 0.0
+    two_rounds = SettingResult("full", warmup=1, steps_per_round=3, step_times_s=[9.0, 1.0, 2.0, 8.0, 4.0, 3.0],
+                               peak_bytes=[9, 1, 2, 9, 4, 3])
+    assert two_rounds.timed(two_rounds.step_times_s) == [1.0, 2.0, 4.0, 3.0]
+    assert two_rounds.median_step_s == 2.5 and two_rounds.peak == 4  # each round's warm-up step left out
     samples = {s.label: s for s in report.samples()}
     assert set(samples) == {"none", "full", "auto"} and samples["full"].median_step_s == 2.5
 
@@ -87,22 +91,24 @@ def test_remat_profile_on_the_cpu_gives_table_json_png_and_calibration(
     none, full = (planner.estimate(CheckpointPolicy(mode=mode)).peak_bytes for mode in ("none", "full"))
     budget = full + (none - full) // 2
     out, png, cal = tmp_path / "profile.json", tmp_path / "profile.png", tmp_path / "cal.json"
-    code = main(["profile", str(QUICKSTART), "--policies", "none,full,auto", "--budget", str(budget), "--steps", "3",
-                 "--json", str(out), "--png", str(png), "--write-calibration", str(cal), "--workdir",
+    code = main(["profile", str(QUICKSTART), "--policies", "none,full,auto", "--budget", str(budget), "--steps", "2",
+                 "--rounds", "2", "--json", str(out), "--png", str(png), "--write-calibration", str(cal), "--workdir",
                  str(tmp_path / "runs"), *TINY])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "setting  policy" in printed and "auto: planned for" in printed and "calibration: " in printed
-    assert "profile [3/3] auto" in printed  # progress, one line per setting
+    assert "profile [3/3, round 2/2] auto" in printed  # progress, one line per setting and round
 
     report = json.loads(out.read_text())
     assert report["target"] == "cpu" and report["torch_version"] == torch.__version__
-    assert report["steps"] == 3 and report["warmup_steps"] == 1
+    assert report["steps"] == 2 and report["rounds"] == 2 and report["warmup_steps"] == 1
     by_label = {s["label"]: s for s in report["settings"]}
     assert list(by_label) == ["none", "full", "auto"]
     for s in by_label.values():
-        assert len(s["step_times_s"]) == 3 and s["memory_source"] == "tracked"
-        assert s["peak_bytes"] == max(s["step_peak_bytes"][1:]) > 0
+        assert len(s["step_times_s"]) == 4 and s["memory_source"] == "tracked"  # 2 rounds of 2 steps
+        assert s["peak_bytes"] == max(s["step_peak_bytes"][1], s["step_peak_bytes"][3]) > 0
+        assert s["median_step_s"] == pytest.approx((s["step_times_s"][1] + s["step_times_s"][3]) / 2, abs=2e-6)
+        assert s["losses"][:2] == s["losses"][2:]  # each round starts afresh from the same seed
         assert s["tokens_per_step"] == 4 * 128
         assert s["tokens_per_s"] == pytest.approx(512 / s["median_step_s"], rel=1e-3)
     n, f, a = by_label["none"], by_label["full"], by_label["auto"]

@@ -23,6 +23,8 @@ sqrt, true, false) and auto, which is planned for each --budget (labelled auto@2
 recipe's distributed.memory_budget). The first step of each setting is a warm-up: its FLOPs are counted (torch's
 FLOP counter) and it is left out of the medians and peaks, as are further --warmup steps. Peak memory is the
 largest step peak (CUDA: max_memory_allocated reset before each step; CPU: the exact tracked peak of live tensors).
+--rounds N runs the whole list N times in turn (medians over all rounds): on a shared machine, whose speed drifts,
+each setting then meets the drift alike.
 --write-calibration fits the throughput the planner prices recompute at (extra step time over `none` against the
 extra FLOPs counted) and writes it for `remat plan --calibration PATH` and distributed.planner_calibration.
 One process: for a ddp / fsdp2 recipe, profile one rank's shape (--distributed.strategy single ...).
@@ -44,6 +46,9 @@ def register(subparsers: Any) -> None:
                         help="steps per setting, warm-up included (default 5)")
     parser.add_argument("--warmup", type=int, default=1, metavar="N",
                         help="first steps of each setting left out of the medians (default 1, at least 1)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="run the whole list N times in turn, a fresh model each time, and take medians over "
+                             "all rounds: the drift of a busy machine then falls on every setting alike (default 1)")
     parser.add_argument("--budget", action="append", default=[], metavar="SIZE",
                         help="memory budget for auto: bytes, a size such as 20GiB, or a fraction of the GPU's "
                              "memory; repeat it to profile auto at several budgets")
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.planner.profile_run import profile_recipe
 
     report = profile_recipe(data, settings, recipe=args.recipe, steps=args.steps, warmup=args.warmup,
-                            workdir=args.workdir)
+                            rounds=args.rounds, workdir=args.workdir)
     print(report.table())
     if args.json:
         _write_json(args.json, report.to_dict())

@@ -88,8 +88,9 @@ class PlanSummary:
 
 @dataclass
 class SettingResult:
-    """One setting's measured steps. ``step_times_s``, ``peak_bytes`` and ``losses`` hold every step, the first
-    ``warmup`` included (left out of the medians and the peak); ``step_flops`` were counted on the first step (torch's FLOP counter: matmuls and
+    """One setting's measured steps. ``step_times_s``, ``peak_bytes`` and ``losses`` hold every step of every
+    round (``steps_per_round`` each; 0: one round), the first ``warmup`` of each round included (left out of the
+    medians and the peak); ``step_flops`` were counted on the first step (torch's FLOP counter: matmuls and
     attention, forward, backward and recompute, all micro-batches). ``error``: why it did not run (nothing fits the
     budget, out of memory)."""
 
@@ -97,6 +98,7 @@ class SettingResult:
     policy: dict[str, Any] | None = None
     policy_text: str = ""
     warmup: int = 1
+    steps_per_round: int = 0
     step_times_s: list[float] = field(default_factory=list)
     peak_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -108,18 +110,23 @@ class SettingResult:
 
     @property
     def ok(self) -> bool:
-        return not self.error and len(self.step_times_s) > self.warmup
+        return not self.error and bool(self.timed(self.step_times_s))
+
+    def timed(self, values: Sequence[Any]) -> list[Any]:
+        """``values`` (one per step) without each round's warm-up steps."""
+        per_round = self.steps_per_round or len(values)
+        return [value for index, value in enumerate(values) if index % per_round >= self.warmup]
 
     @property
     def median_step_s(self) -> float:
-        """The median step time after the warm-up steps."""
-        return statistics.median(self.step_times_s[self.warmup:])
+        """The median step time after the warm-up steps (of every round)."""
+        return statistics.median(self.timed(self.step_times_s))
 
     @property
     def peak(self) -> int:
         """The largest step peak after the warm-up steps (the first step builds the optimizer state and runs under
         the FLOP counter, whose module hooks hold references of their own)."""
-        return max(self.peak_bytes[self.warmup:])
+        return max(self.timed(self.peak_bytes))
 
     @property
     def tokens_per_s(self) -> float:
@@ -136,7 +143,8 @@ class SettingResult:
             out.update(peak_bytes=self.peak, peak_gib=round(self.peak / GIB, 4),
                        median_step_s=round(self.median_step_s, 6), tokens_per_s=round(self.tokens_per_s, 1),
                        step_flops=self.step_flops)
-        out.update(memory_source=self.memory_source, warmup_steps=self.warmup, tokens_per_step=self.tokens_per_step,
+        out.update(memory_source=self.memory_source, warmup_steps=self.warmup, steps_per_round=self.steps_per_round,
+                   tokens_per_step=self.tokens_per_step,
                    step_times_s=[round(t, 6) for t in self.step_times_s], step_peak_bytes=self.peak_bytes,
                    losses=self.losses)
         return out
@@ -153,6 +161,7 @@ class ProfileReport:
     steps: int
     warmup: int
     results: list[SettingResult]
+    rounds: int = 1
 
     def baseline(self) -> SettingResult | None:
         return next((r for r in self.results if r.label == BASELINE and r.ok), None)
@@ -184,8 +193,11 @@ class ProfileReport:
                          f"{r.median_step_s:.4f}", _ratio(r.median_step_s, base and base.median_step_s),
                          f"{r.tokens_per_s:.0f}", f"{r.step_flops / 1e12:.4g}",
                          _ratio(r.step_flops, base and base.step_flops)))
-        lines = [f"{self.recipe}: {self.steps} steps per setting on {self.device} (torch {self.torch_version}); "
-                 f"medians and peaks over steps {self.warmup + 1}-{self.steps} (the first {self.warmup} warm-up)", *_columns([header, *rows])]
+        rounds = f" in each of {self.rounds} rounds" if self.rounds > 1 else ""
+        lines = [f"{self.recipe}: {self.steps} steps per setting{rounds} on {self.device} (torch "
+                 f"{self.torch_version}); medians and peaks over steps {self.warmup + 1}-{self.steps} (the first "
+                 f"{self.warmup} warm-up)",
+                 *_columns([header, *rows])]
         for r in self.results:
             if r.plan is not None:
                 lines.append(_plan_line(r, base))
@@ -204,7 +216,7 @@ class ProfileReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the run's context and every setting."""
         return {"recipe": self.recipe, "device": self.device, "target": self.target,
-                "torch_version": self.torch_version, "steps": self.steps, "warmup_steps": self.warmup,
+                "torch_version": self.torch_version, "steps": self.steps, "rounds": self.rounds, "warmup_steps": self.warmup,
                 "loss_difference": self.loss_difference(), "settings": [r.to_dict() for r in self.results]}
 
     def plot(self, path: str | Path) -> Path:

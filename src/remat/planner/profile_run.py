@@ -50,35 +50,46 @@ RUN_OVERRIDES: tuple[tuple[str, Any], ...] = (
 
 
 def profile_recipe(data: Mapping[str, Any], settings: Sequence[Setting], *, recipe: str, steps: int, warmup: int = 1,
-                   workdir: str | Path | None = None, echo: Callable[[str], None] = print) -> ProfileReport:
+                   rounds: int = 1, workdir: str | Path | None = None,
+                   echo: Callable[[str], None] = print) -> ProfileReport:
     """Run every setting for ``steps`` steps of the recipe ``data`` (its validated mapping, overrides applied) and
     return what each measured; ``warmup`` first steps (at least 1: its FLOPs are counted) leave the medians.
-    ``auto`` settings are planned first, so a malformed budget stops everything before any step runs."""
+    ``rounds`` > 1 runs the whole list that many times in turn (a fresh model each time), so the drift of a shared
+    machine falls on every setting alike. ``auto`` settings are planned first, so a malformed budget stops
+    everything before any step runs."""
     if warmup < 1 or steps <= warmup:
         raise ConfigError(f"--steps: got {steps} with --warmup {warmup}; allowed: --warmup >= 1 (the first step is "
                           "counted by the FLOP counter, not timed) and --steps > --warmup")
+    if rounds < 1:
+        raise ConfigError(f"--rounds: got {rounds}; allowed: an integer >= 1")
     base = apply_overrides(dict(data), [*RUN_OVERRIDES, ("step_scheduler.max_steps", steps)])
     probe = recipe_for_planning(base)
     target = default_target(probe.distributed.device)
-    results = _plan_settings(settings, probe, target, warmup)
+    results = _plan_settings(settings, probe, target, warmup, steps)
     with _work_folder(workdir) as folder:
-        for number, (setting, result) in enumerate(zip(settings, results, strict=True), 1):
-            where = f"profile [{number}/{len(settings)}] {setting.label}"
-            if result.error:
-                echo(f"{where}: {result.error}")
-                continue
-            echo(f"{where} ({result.policy_text}): {steps} steps, the first {warmup} warm-up")
-            cfg = validate_recipe(apply_overrides(base, [(POLICY_KEY, result.policy),
-                                                         ("output_dir", str(folder / _slug(setting.label)))]))
-            _run_setting(cfg, result)
-            if result.ok:
-                echo(f"{where}: peak {result.peak / 2**30:.3f} GiB, median step {result.median_step_s:.4f} s, "
-                     f"{result.tokens_per_s:.0f} tokens/s")
+        for round_ in range(1, rounds + 1):
+            for number, (setting, result) in enumerate(zip(settings, results, strict=True), 1):
+                where = f"profile [{number}/{len(settings)}{f', round {round_}/{rounds}' if rounds > 1 else ''}] "
+                where += setting.label
+                if result.error:
+                    if round_ == 1:
+                        echo(f"{where}: {result.error}")
+                    continue
+                echo(f"{where} ({result.policy_text}): {steps} steps, the first {warmup} warm-up")
+                cfg = validate_recipe(apply_overrides(base, [(POLICY_KEY, result.policy),
+                                                             ("output_dir", str(folder / _slug(setting.label)))]))
+                _run_setting(cfg, result)
+                if result.error:
+                    echo(f"{where}: {result.error}")
+                elif result.ok:
+                    echo(f"{where}: peak {result.peak / 2**30:.3f} GiB, median step {result.median_step_s:.4f} s, "
+                         f"{result.tokens_per_s:.0f} tokens/s")
     return ProfileReport(recipe=recipe, device=device_name(target), target=target,
-                         torch_version=torch.__version__, steps=steps, warmup=warmup, results=results)
+                         torch_version=torch.__version__, steps=steps, warmup=warmup, results=results, rounds=rounds)
 
 
-def _plan_settings(settings: Sequence[Setting], probe: Any, target: str, warmup: int) -> list[SettingResult]:
+def _plan_settings(settings: Sequence[Setting], probe: Any, target: str, warmup: int,
+                   steps: int) -> list[SettingResult]:
     """One empty result per setting with its concrete policy; ``auto`` planned for its budget (one `Planner` for
     all), or its error when nothing fits. A budget that is not a size is a `ConfigError` naming ``--budget``."""
     budgets = {s.label: parse_budget(s.budget, device_bytes=device_bytes(target), key="--budget")
@@ -86,7 +97,7 @@ def _plan_settings(settings: Sequence[Setting], probe: Any, target: str, warmup:
     planner: Planner | None = None
     results = []
     for setting in settings:
-        result = SettingResult(setting.label, warmup=warmup)
+        result = SettingResult(setting.label, warmup=warmup, steps_per_round=steps)
         policy = setting.policy
         if setting.is_auto:
             planner = planner or planner_for_recipe(probe, target=target)
@@ -106,20 +117,20 @@ def _plan_settings(settings: Sequence[Setting], probe: Any, target: str, warmup:
 
 
 def _run_setting(cfg: Any, result: SettingResult) -> None:
-    """Train ``cfg`` for its steps and fill ``result`` (an out-of-memory error is recorded, not raised)."""
+    """Train ``cfg`` for its steps and add them to ``result`` (an out-of-memory error is recorded, not raised)."""
     run = FinetuneRecipe(cfg)
     try:
         run.setup()
         meter = CountingMeter(run.memory_meter)
         run.memory_meter = meter
         records = run.run().records
-        result.step_times_s = [r.step_time_s for r in records]
-        result.peak_bytes = [r.mem_bytes for r in records]
-        result.losses = [r.loss for r in records]
+        result.step_times_s += [r.step_time_s for r in records]
+        result.peak_bytes += [r.mem_bytes for r in records]
+        result.losses += [r.loss for r in records]
         result.tokens_per_step = round(records[0].tps * records[0].step_time_s) if records else 0
-        result.step_flops = meter.flops
+        result.step_flops = result.step_flops or meter.flops
         result.memory_source = meter.source
-    except torch.OutOfMemoryError as err:
+    except torch.cuda.OutOfMemoryError as err:
         result.error = f"out of memory: {str(err).splitlines()[0]}"
     finally:
         run.release_run_locks()
