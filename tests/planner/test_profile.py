@@ -27,6 +27,9 @@ def test_settings_are_the_recipe_spellings_plus_auto_per_budget() -> None:
     assert [s.budget for s in settings if s.is_auto] == ["15GiB", "20GiB"]
     assert [s.label for s in parse_settings("sqrt,auto", ["1GiB"])] == ["sqrt", "auto"]
     assert parse_settings(["true", "mlp"])[0].policy.mode == "full"  # type: ignore[union-attr]
+    mixed = parse_settings("none,{mode: full, every_n_layers: 2},{mode: selective, layers: {0-1: full}}")
+    assert [s.label for s in mixed] == ["none", "full, every 2nd block", "selective, per-layer: 0-1=full"]
+    assert mixed[1].policy is not None and mixed[1].policy.every_n_layers == 2
 
 
 @pytest.mark.parametrize(("policies", "budgets", "message"), [
@@ -35,6 +38,8 @@ def test_settings_are_the_recipe_spellings_plus_auto_per_budget() -> None:
     (" , ", [], r"--policies: empty; allowed: a comma-separated list of true, false, .*auto"),
     ("full,none,full", [], r"--policies: full given more than once"),
     ("none,full", ["20GiB"], r"--budget: only 'auto' is planned for a budget"),
+    ("none,{mode: ful}", [], r"--policies.mode: got 'ful'"),
+    ("{mode: [}", [], r"--policies: '\{mode: \[\}' is not a YAML mapping"),
 ])
 def test_bad_settings_are_one_clear_error(policies: str, budgets: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -20,7 +20,8 @@ def test_the_dry_run_prints_the_seed_profile_command(script: ModuleType, capsys:
     assert script.main(["--dry-run", "--out", "res", "--logging.progress", "plain"]) == 0
     argv = shlex.split(capsys.readouterr().out)
     assert argv[:3] == ["remat", "profile", str(script.RECIPE)]
-    assert argv[argv.index("--policies") + 1] == "none,attention,mlp,selective,full,auto"
+    assert argv[argv.index("--policies") + 1] == ("none,attention,mlp,selective,full,{mode: full, every_n_layers: 2},"
+                                                  "auto")
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--budget"] == ["15GiB", "20GiB", "25GiB", "30GiB"]
     stem = f"res/profile_seed_DEVICE_torch{torch.__version__}".replace("+", "-")
     assert argv[argv.index("--json") + 1] == f"{stem}.json"
@@ -54,7 +55,7 @@ def test_auto_is_judged_against_the_fastest_uniform_policy_that_fits(script: Mod
                 "median_step_s": step, "tokens_per_s": 16384 / step, "step_flops": 10**14, **extra}
 
     report = {"device": "GPU", "torch_version": "2.11", "steps": 8, "warmup_steps": 2, "loss_difference": 0.0,
-              "settings": [row("none", 35, 0.33), row("selective", 18, 0.385), row("full", 12, 0.40),
+              "settings": [row("none", 35, 0.33), row("selective", 18, 0.385), row("full", 12, 0.40), row("full, every 2nd block", 22, 0.367),
                            row("auto@20GiB", 19.5, 0.36, plan={"budget_bytes": 20 * gib, "budget_gib": 20.0}),
                            row("auto@15GiB", 14.9, 0.41, plan={"budget_bytes": 15 * gib, "budget_gib": 15.0})]}
     twenty, fifteen = script.verdicts(report, tolerance=0.02)

@@ -19,7 +19,7 @@ counted step FLOPs side by side, with ratios to `none`:
   remat profile recipe.yaml --policies none,full,auto --budget 20GiB --budget 30GiB --png profile.png
   remat profile recipe.yaml --policies none,selective,full --write-calibration calibration.json
 Settings are the spellings of distributed.activation_checkpointing (none, full, selective, attention, mlp, offload,
-sqrt, true, false) and auto, which is planned for each --budget (labelled auto@20GiB; without --budget, the
+sqrt, true, false, or a mapping such as '{mode: full, every_n_layers: 2}') and auto, which is planned for each --budget (labelled auto@20GiB; without --budget, the
 recipe's distributed.memory_budget). The first step of each setting is a warm-up: its FLOPs are counted (torch's
 FLOP counter) and it is left out of the medians and peaks, as are further --warmup steps. Peak memory is the
 largest step peak (CUDA: max_memory_allocated reset before each step; CPU: the exact tracked peak of live tensors).

@@ -37,17 +37,21 @@ class Setting:
 
 
 def parse_settings(policies: str | Sequence[str], budgets: Sequence[str] = ()) -> list[Setting]:
-    """The settings ``--policies`` names (comma-separated; the spellings of ``distributed.activation_checkpointing``
-    plus ``auto``), ``auto`` once per budget (labelled ``auto@20GiB`` when there are several). `ConfigError` naming
-    ``--policies`` for an unknown name, a repeated one, ``--budget`` without ``auto``, or nothing at all."""
-    names = [part.strip() for item in ([policies] if isinstance(policies, str) else policies)
-             for part in item.split(",") if part.strip()]
+    """The settings ``--policies`` names (comma-separated; the spellings of ``distributed.activation_checkpointing``,
+    a policy mapping in YAML flow style such as ``{mode: full, every_n_layers: 2}`` included, plus ``auto``), ``auto``
+    once per budget (labelled ``auto@20GiB`` when there are several). `ConfigError` naming ``--policies`` for an
+    unknown name, a repeated one, ``--budget`` without ``auto``, or nothing at all."""
+    names = [part for item in ([policies] if isinstance(policies, str) else policies) for part in _split(item)]
     if not names:
         raise ConfigError(f"--policies: empty; allowed: a comma-separated list of {_allowed()}")
     settings: list[Setting] = []
     for name in names:
         if name.lower() == AUTO:
             settings += [Setting(f"auto@{b}" if len(budgets) > 1 else AUTO, None, b) for b in (budgets or [None])]
+            continue
+        if name.startswith("{"):
+            policy = parse_policy(_mapping(name), key="--policies")
+            settings.append(Setting(policy.describe(), policy))
             continue
         try:
             policy = parse_policy(_YAML_BOOLS.get(name.lower(), name), key="--policies")
@@ -64,6 +68,31 @@ def parse_settings(policies: str | Sequence[str], budgets: Sequence[str] = ()) -
 
 
 _YAML_BOOLS = {"true": True, "false": False}  # as the recipe key reads them
+
+
+def _split(text: str) -> list[str]:
+    """``text`` split at the commas outside braces, each part stripped, empty ones dropped."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    parts.append(text[start:])
+    return [part.strip() for part in parts if part.strip()]
+
+
+def _mapping(text: str) -> Any:
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--policies: {text!r} is not a YAML mapping ({str(err).splitlines()[0]}); write e.g. "
+                          "{mode: full, every_n_layers: 2}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--policies: {text!r} is not a mapping; write e.g. {{mode: full, every_n_layers: 2}}")
+    return value
 
 
 def _allowed() -> str:
