@@ -22,6 +22,9 @@ A budget is bytes, a size (40GiB, 24GB) or a fraction of the GPU's memory; witho
 distributed.memory_budget, else the GPU's memory minus a margin. The budget is per rank. The printout gives the
 frontier (uniform policies with their predicted peak and recompute), then per budget the plan: per block the mode,
 bytes kept and saved and FLOPs recomputed, the predicted peak and the recompute overhead. See docs/planner.md.
+Recompute seconds are FLOPs at a throughput: --flops-per-second, or one measured on this device by
+`remat profile RECIPE --write-calibration cal.json` and given as --calibration cal.json (or the recipe's
+distributed.planner_calibration).
 Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
 """
 
