@@ -15,9 +15,11 @@ from remat.planner.profile import PlanSummary, ProfileReport, SettingResult, par
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
-#: The quick start made small: one micro-batch of 4 x 128 tokens per step (activations still outweigh the rest).
+#: The quick start made small, on the CPU: one micro-batch of 4 x 128 tokens per step (activations still outweigh
+#: the rest).
 TINY = ["--step_scheduler.local_batch_size", "4", "--step_scheduler.global_batch_size", "4",
-        "--dataset.seq_length", "128", "--validation_dataset.seq_length", "128", "--logging.progress", "plain"]
+        "--dataset.seq_length", "128", "--validation_dataset.seq_length", "128", "--logging.progress", "plain",
+        "--distributed.device", "cpu"]
 
 
 def test_settings_are_the_recipe_spellings_plus_auto_per_budget() -> None:
