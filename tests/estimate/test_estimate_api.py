@@ -165,7 +165,6 @@ def test_recipe_options_override_and_a_new_loss_drops_the_recipes_loss_arguments
 
 
 @pytest.mark.parametrize(("sections", "message"), [
-    ({"peft": {"r": 4}}, "peft"),
     ({"loss_fn": {"_target_": "torch.nn.CrossEntropyLoss"}}, "loss_fn._target_"),
     ({"step_scheduler": {"global_batch_size": 6, "local_batch_size": 2}}, "global_batch_size"),
     ({"distributed": {"strategy": "fsdp2", "tp_size": 2, "dp_size": 1}}, "distributed.tp_size: 2"),

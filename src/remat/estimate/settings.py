@@ -55,6 +55,7 @@ class StepSettings:
     vocab_size: int | None = None
     target: Target = "cuda"
     custom_target_packages: tuple[str, ...] = ()
+    peft: Mapping[str, Any] | None = None
     base: RecipeConfig | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
@@ -110,6 +111,7 @@ class StepSettings:
                             "dp_size": None if self.strategy == "single" else self.world_size,
                             "mixed_precision": self.mixed_precision},
             "custom_target_packages": list(self.custom_target_packages),
+            "peft": dict(self.peft) if self.peft is not None else None,
         })
         return validate_recipe(data)
 
@@ -136,7 +138,8 @@ class StepSettings:
             optimizer_kwargs=dict(cfg.optimizer.kwargs), clip_grad_norm=cfg.clip_grad_norm.max_norm,
             strategy=d.strategy, world_size=world_size, mixed_precision=d.mixed_precision,
             grad_accumulation=accumulation, vocab_size=vocab_size,
-            custom_target_packages=tuple(cfg.custom_target_packages), base=cfg,
+            custom_target_packages=tuple(cfg.custom_target_packages),
+            peft=cfg.peft.model_dump(mode="json") if cfg.peft is not None else None, base=cfg,
         )
         if "loss" in options and options["loss"] != loss:
             options.setdefault("loss_kwargs", {})  # the recipe's loss arguments belong to the recipe's loss

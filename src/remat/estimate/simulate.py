@@ -45,10 +45,11 @@ from remat.distributed import DistributedSetup, validate_settings
 from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
 from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
+from remat.estimate.fake_model import build_fake_model
 from remat.estimate.limits import check_simulated_sizes
 from remat.memory.tracker import LiveTensorTracker
 from remat.models import resolve_model_config
-from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+from remat.recipes.build import build_optimizer, build_training_module
 from remat.recipes.config import RecipeConfig
 from remat.recipes.step import step_label_tokens, train_step
 
@@ -56,6 +57,7 @@ DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 """DistributedDataParallel's default bucket capacity (the first bucket is ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 GRADIENT_BUCKETS: Final[str] = "gradient_buckets"
 """The category of DDP's gradient buckets, which the live-tensor tracker does not see."""
+_DEVICE_OP: Final[Any] = torch.ops.prim.device.default
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,10 @@ class _SimulationMode(TorchDispatchMode):
         self.cpu_attention_calls = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE_OP and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
+            # Half the ops of a step are device queries (the autograd engine asks for every gradient); answered
+            # here as the fake mode answers them, they skip the modes below, which neither allocate nor record.
+            return args[0].fake_device
         kwargs = kwargs or {}
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # DTensor: let it run its ops on local tensors, which come back here
@@ -179,9 +185,8 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
     strategy = recipe.distributed.strategy
     with _process_group(strategy, run.world_size), _private_sharding_fake_mode():
         setup = simulation_setup(recipe, run.world_size, mesh=_mesh(strategy, run.world_size))
+        net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
         with fake:
-            torch.manual_seed(0)
-            net = build_recipe_model(recipe, vocab_size=run.vocab_size)
             root = build_training_module(net, recipe, setup)
         if setup.plan is not None:
             trace.notes.append(f"activation checkpointing: {setup.plan.summary()}")
@@ -243,9 +248,6 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     if run.target not in TARGETS:
         raise ConfigError(f"target: got {run.target!r}; allowed: {', '.join(TARGETS)}")
     d = recipe.distributed
-    if recipe.peft is not None:
-        raise ConfigError("peft: the estimate does not model LoRA fine-tuning yet; estimate the recipe without the "
-                          "peft section (an upper bound: every parameter trained)")
     for name in ("tp_size", "cp_size"):
         if getattr(d, name) != 1:
             raise ConfigError(f"distributed.{name}: {getattr(d, name)} is not modelled by the estimate; "
