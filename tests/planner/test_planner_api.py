@@ -212,3 +212,29 @@ def test_kv_sharing_blocks_are_measured_as_their_own_kinds_with_their_fallbacks(
     assert [c.mode for c in reuse.costs] == ["none", "attention", "mlp", "selective", "full"]
     assert reuse.cost("full").kept_bytes == 0 < reuse.cost("selective").kept_bytes < reuse.cost("none").kept_bytes
     assert 0 < reuse.cost("attention").recompute_flops < reuse.cost("full").recompute_flops
+
+
+def test_plans_for_kv_sharing_models_respect_the_producers_fallback() -> None:
+    """Gemma 3n end to end: at a tight and a middling budget the plan gives the key/value-storing layers only none or
+    mlp, so applying it takes no fallback (no warning) and every block gets exactly the planned mode."""
+    import warnings
+
+    from remat.checkpointing import CheckpointingWarning
+    from remat.estimate import StepSettings
+    from remat.models import ModelConfig, build_model
+    from remat.planner import Planner
+
+    model = ModelConfig(preset="tiny-gemma3n")
+    planner = Planner(model, StepSettings(batch_size=2, seq_length=256, target="cpu"))  # activations matter
+    peaks = {c.label: c.peak_bytes for c in planner.uniform_candidates(2**40)}
+    assert peaks["full"] < peaks["none"]
+    modes = []
+    for share in (0.0, 0.5):
+        plan = planner.plan(int(peaks["full"] + share * (peaks["none"] - peaks["full"])))
+        assert {block.mode for block in plan.blocks[:2]} <= {"none", "mlp"}, plan.policy.describe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointingWarning)
+            applied = apply_activation_checkpointing(build_model(model), plan.policy)
+        assert [layer.mode for layer in applied.layers] == [block.mode for block in plan.blocks]
+        modes.append(tuple(block.mode for block in plan.blocks))
+    assert any(mode in ("attention", "selective", "full") for mode in modes[0][2:]), modes  # the reusers recompute

@@ -64,6 +64,8 @@ class BlockKind:
     costs: tuple[ModeCost, ...]
     flops: int
     """Forward plus backward FLOPs of one block without checkpointing."""
+    is_moe: bool = False
+    """Mixture-of-experts blocks (`remat.checkpointing.is_moe_block`)."""
 
     def cost(self, mode: Mode) -> ModeCost:
         """The cost of ``mode`` (KeyError when this kind cannot take it)."""
@@ -139,7 +141,7 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
             indices=tuple(block.index for block in group),
             costs=tuple(ModeCost(mode, kept, max(0, flops - base_flops), backward_peak)
                         for mode, (kept, flops, backward_peak) in raw.items()),
-            flops=base_flops,
+            flops=base_flops, is_moe=first.is_moe,
         ))
     hidden = int(net.config.get_text_config().hidden_size)
     tokens = recipe.step_scheduler.local_batch_size * recipe.dataset.seq_length

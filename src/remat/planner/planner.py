@@ -30,6 +30,7 @@ from remat.errors import ConfigError
 from remat.estimate.api import MemoryEstimate, estimate_memory
 from remat.estimate.settings import LOSS_TARGETS, StepSettings
 from remat.models import ModelConfig
+from remat.planner.advice import moe_selective_note
 from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
 from remat.planner.result import GIB, ActivationPlan, BlockChoice, Candidate
@@ -180,6 +181,10 @@ class Planner:
                                       saved_bytes=none.kept_bytes - cost.kept_bytes,
                                       recompute_flops=cost.recompute_flops))
         notes = ["offloading what a block keeps is not chosen: the estimate does not model host offload yet"]
+        moe_note = moe_selective_note(best.modes, m)
+        if moe_note is not None:
+            logger.warning("planner: %s", moe_note)
+            notes.append(moe_note)
         if self.settings.grad_accumulation > 1:
             notes.append(f"FLOPs are per optimizer step ({self.settings.grad_accumulation} micro-batches); bytes "
                          "per micro-batch")
