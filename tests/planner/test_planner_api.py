@@ -238,3 +238,23 @@ def test_plans_for_kv_sharing_models_respect_the_producers_fallback() -> None:
         assert [layer.mode for layer in applied.layers] == [block.mode for block in plan.blocks]
         modes.append(tuple(block.mode for block in plan.blocks))
     assert any(mode in ("attention", "selective", "full") for mode in modes[0][2:]), modes  # the reusers recompute
+
+
+def test_auto_plans_a_lora_recipe_with_its_adapters(tmp_path: Path) -> None:
+    """A recipe with a ``peft`` section and ``auto``: planned with its adapters (only they have gradients and
+    optimizer state), within the budget, and the recipe comes back with its peft section and the chosen policy."""
+    from remat.planner import planner_for_recipe
+    from remat.planner.api import recipe_for_planning
+    from remat.recipes.loader import load_recipe_data
+
+    path = _recipe_file(tmp_path, activation_checkpointing="auto")
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "peft": {"r": 4}}))
+    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(path)))
+    none, full = (planner.estimate(CheckpointPolicy(mode=mode)) for mode in ("none", "full"))
+    assert 0 < none.trainable_parameters < none.parameters // 10  # the adapters only
+    # AdamW: exp_avg and exp_avg_sq in float32, and a float32 step per adapter tensor (4 blocks x 7 linears x A, B)
+    assert none.breakdown["optimizer_state"] == 2 * 4 * none.trainable_parameters + 4 * (4 * 7 * 2)
+    budget = full.peak_bytes + (none.peak_bytes - full.peak_bytes) // 2
+    cfg, plan = load_planned_recipe(path, [("distributed.memory_budget", budget)])
+    assert plan is not None and full.peak_bytes <= plan.peak_bytes <= budget
+    assert cfg.peft is not None and cfg.peft.r == 4 and cfg.distributed.activation_checkpointing == plan.policy
