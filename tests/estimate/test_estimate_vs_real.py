@@ -112,7 +112,8 @@ def test_the_fake_lora_model_has_the_real_ones_parameters(dtype: str) -> None:
     assert described(fake) == described(real)
     assert all(isinstance(p, FakeTensor) for p in fake.parameters())
     trainable = {p.dtype for p in fake.parameters() if p.requires_grad}
-    assert trainable == {torch.float32} and sum(p.requires_grad for p in fake.parameters()) == 2 * 7 * 2  # 2 blocks x 7 linear layers x (A, B)
+    assert trainable == {torch.float32}
+    assert sum(p.requires_grad for p in fake.parameters()) == 2 * 7 * 2  # 2 blocks x 7 linear layers x (A, B)
 
 
 def test_checkpointing_and_the_fused_loss_lower_the_estimate() -> None:
@@ -126,7 +127,8 @@ def test_checkpointing_and_the_fused_loss_lower_the_estimate() -> None:
 
 @pytest.mark.parametrize(("policy", "loss", "accumulation", "peft"), [
     ("full", "MaskedCrossEntropy", 2, None), ("full", "FusedLinearCrossEntropy", 2, None),
-    ("selective", "MaskedCrossEntropy", 1, None), ({"mode": "full", "every_n_layers": 2}, "FusedLinearCrossEntropy", 1, None),
+    ("selective", "MaskedCrossEntropy", 1, None),
+    ({"mode": "full", "every_n_layers": 2}, "FusedLinearCrossEntropy", 1, None),
     ("selective", "MaskedCrossEntropy", 1, {"r": 4}),
 ])
 def test_estimate_of_a_recipe_equals_its_logged_mem(tmp_path: Any, policy: Any, loss: str, accumulation: int,

@@ -1,5 +1,5 @@
-"""The planner against real CPU steps, for a small Llama (also with LoRA) and a small MoE model, at budgets spread between the
-full-checkpointing peak and the no-checkpointing peak:
+"""The planner against real CPU steps, for a small Llama (also with LoRA) and a small MoE model, at budgets spread
+between the full-checkpointing peak and the no-checkpointing peak:
 
 - the real step's tracked peak (`LiveTensorTracker`, a step after the first) is within the budget every time (the
   CPU estimate the planner is judged by equals it to the byte);

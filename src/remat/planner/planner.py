@@ -86,7 +86,8 @@ class Planner:
         if key not in self._estimates:
             settings = dataclasses.replace(self.settings, policy=policy.to_dict())
             with quiet_checkpointing_log(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", CheckpointingWarning)  # e.g. selective on MoE blocks: priced, not used
+                # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
+                warnings.simplefilter("ignore", CheckpointingWarning)
                 estimate = estimate_memory(self.model, settings)
             logger.info("planner: %s -> predicted peak %.2f GiB (%.1f s)", policy.describe(),
                         estimate.peak_bytes / GIB, estimate.seconds)
