@@ -33,7 +33,8 @@ class StepSettings:
 
     ``batch_size`` is the per-rank micro-batch (``step_scheduler.local_batch_size``), ``grad_accumulation`` the
     micro-batches per step, ``policy`` ``distributed.activation_checkpointing``, ``loss`` ``"plain"`` / ``"fused"`` or
-    a ``loss_fn._target_``; ``dtype``/``autocast`` None keep the model config's. ``base``: the recipe the other
+    a ``loss_fn._target_``; ``dtype``/``autocast`` None keep the model config's; ``peft`` the recipe's LoRA section
+    (``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``; None trains every parameter). ``base``: the recipe the other
     fields override (its remaining keys, e.g. ``distributed.fsdp_reduce_every_micro_batch``, are kept).
     """
 

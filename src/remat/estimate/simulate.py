@@ -17,6 +17,8 @@ Details that make the fake step the real one:
   (`remat.estimate.attention`; counts include recomputations), and optimizers that accept ``foreach`` get ``foreach=True`` unless the
   caller chose (PyTorch's default for CUDA parameters; on CPU parameters it runs a per-parameter loop).
   ``target="cpu"`` runs what the CPU runs, so the figures equal a real CPU step's tracked peak.
+- A recipe's ``peft`` section is applied by the recipe's own `apply_lora`, its adapters made on the meta device and
+  then given fake storage (`remat.estimate.fake_model`: peft's ``Module.to`` cannot swap fake parameters).
 - DTensor's sharding propagation builds global-shape tensors to infer output shapes; on real tensors it does so in
   a private fake mode, which the simulation gives it here too, so those never count.
 - ``ddp``: ``DistributedDataParallel`` needs real parameter data at construction, so it cannot wrap fake tensors.
