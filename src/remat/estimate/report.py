@@ -61,8 +61,10 @@ def describe_settings(estimate: MemoryEstimate) -> str:
         precision += f", FSDP compute in {s.mixed_precision}"
     parallel = s.strategy if s.strategy == "single" else f"{s.strategy} over {s.world_size} ranks"
     accumulation = f", {s.grad_accumulation} micro-batches per step" if s.grad_accumulation > 1 else ""
+    lora = (f"; LoRA ({estimate.trainable_parameters:,} of {estimate.parameters:,} parameters trained)"
+            if s.peft is not None else "")
     return (f"{estimate.model}; batch {s.batch_size} x {s.seq_length} tokens{accumulation}; {precision}; "
-            f"optimizer {s.optimizer.rsplit('.', 1)[-1]}; {parallel}; modelled for {s.target.upper()}")
+            f"optimizer {s.optimizer.rsplit('.', 1)[-1]}{lora}; {parallel}; modelled for {s.target.upper()}")
 
 
 def breakdown_table(estimate: MemoryEstimate, *, capacity_bytes: int | None = None) -> str:

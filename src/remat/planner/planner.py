@@ -34,6 +34,7 @@ from remat.errors import ConfigError
 from remat.estimate.api import MemoryEstimate, estimate_memory
 from remat.estimate.settings import LOSS_TARGETS, StepSettings
 from remat.models import ModelConfig
+from remat.planner.advice import moe_selective_note
 from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
 from remat.planner.result import GIB, ActivationPlan, BlockChoice, Candidate
@@ -102,7 +103,8 @@ class Planner:
         if key not in self._estimates:
             settings = dataclasses.replace(self.settings, policy=policy.to_dict())
             with quiet_checkpointing_log(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", CheckpointingWarning)  # e.g. selective on MoE blocks: priced, not used
+                # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
+                warnings.simplefilter("ignore", CheckpointingWarning)
                 estimate = estimate_memory(self.model, settings)
             logger.info("planner: %s -> predicted peak %.2f GiB (%.1f s)", policy.describe(),
                         estimate.peak_bytes / GIB, estimate.seconds)
@@ -230,6 +232,10 @@ class Planner:
         if self.settings.target == "cuda":
             notes.append(f"offloaded policies are timed with their host<->device copies at "
                          f"{self.host_bandwidth / 1e9:g} GB/s, not overlapped with compute")
+        moe_note = moe_selective_note(best.modes, m)
+        if moe_note is not None:
+            logger.warning("planner: %s", moe_note)
+            notes.append(moe_note)
         if self.settings.grad_accumulation > 1:
             notes.append(f"FLOPs are per optimizer step ({self.settings.grad_accumulation} micro-batches); bytes "
                          "per micro-batch")
