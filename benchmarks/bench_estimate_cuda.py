@@ -21,6 +21,8 @@ same code on the CPU instead, with the exact live-tensor tracker in place of the
     python benchmarks/bench_estimate_cuda.py                                    # llama-3.2-1b, 2 x 2048, bf16
     python benchmarks/bench_estimate_cuda.py --preset llama-20m --batch-size 8 --seq-length 1024 --dtype float32 \\
         --autocast bfloat16 --out benchmarks/results
+    python benchmarks/bench_estimate_cuda.py --batch-size 1 --seq-length 131072 --losses fused \\
+        --policies 'full,{mode: full, offload: true}'                        # offload: host copies are not device memory
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = StepSettings(batch_size=args.batch_size, seq_length=args.seq_length, dtype=args.dtype,
                         autocast=None if args.autocast == "none" else args.autocast, target=device.type)
     rows = []
-    for policy in args.policies.split(","):
+    for policy in parse_policies(args.policies):
         for loss in args.losses.split(","):
             settings = dataclasses.replace(base, policy=policy, loss=loss)
             start = time.perf_counter()
@@ -123,8 +125,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             measured = measure(args.preset, settings, device)
             peak = measured["max_memory_allocated"]
             rows.append({
-                "setting": f"{policy} + {loss}",
+                "setting": settings.describe(),
                 "estimate_bytes": estimate.peak_bytes,
+                "estimate_host_bytes": estimate.host_peak_bytes,
                 "estimate_tensor_bytes": estimate.tensor_peak_bytes,
                 "estimate_start_bytes": estimate.phase_peaks.get("start", 0),
                 "estimate_phase": estimate.phase,
@@ -132,9 +135,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 **measured,
                 "error_percent": round(100 * (estimate.peak_bytes - peak) / peak, 2),
             })
-            print(f"{policy:>9} + {loss:<5}  estimate {estimate.peak_bytes / GIB:7.2f} GiB  measured "
+            print(f"{settings.describe():>28}  estimate {estimate.peak_bytes / GIB:7.2f} GiB  measured "
                   f"{peak / GIB:7.2f} GiB  ({rows[-1]['error_percent']:+.1f}%)", flush=True)
     return rows
+
+
+def parse_policies(text: str) -> list[Any]:
+    """``--policies``: names and YAML mappings, comma-separated (``none,full,{mode: full, offload: true}``)."""
+    import yaml
+
+    return list(yaml.safe_load(f"[{text}]"))
 
 
 def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:

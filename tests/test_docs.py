@@ -37,3 +37,13 @@ def test_every_docs_section_an_example_points_to_exists() -> None:
             assert section in headings, f"{example.name} points to {doc} section {section!r}, which does not exist"
             pointers += 1
     assert pointers >= 1
+
+
+def test_every_command_is_listed_in_the_readme_and_the_architecture_page() -> None:
+    from remat.cli import COMMANDS
+
+    readme = (ROOT / "README.md").read_text().split("## Commands", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `remat (\w+)", readme, flags=re.M)
+    assert listed == list(COMMANDS)
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert f"`remat {' | '.join(COMMANDS)}`" in architecture

@@ -51,7 +51,8 @@ def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("args", [("--help",), ("finetune", "--help"), ("estimate", "--help"), ("report", "--help"),
-                                  ("plan", "--help"), ("recipes", "--help")])
+                                  ("plan", "--help"), ("profile", "--help"),
+                                  ("recipes", "--help")])
 def test_help_loads_neither_torch_nor_transformers(args: tuple[str, ...], tmp_path: Path) -> None:
     done = _run_cli(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -66,6 +67,15 @@ def test_a_recipe_mistake_is_reported_before_torch_loads(tmp_path: Path) -> None
     assert done.returncode == 2
     assert "step_sceduler: unknown key; did you mean 'step_scheduler'?" in done.stderr
     assert "heavy: []" in done.stderr
+
+
+def test_an_unknown_profile_policy_is_reported_before_torch_loads(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {preset: tiny-llama}\n")
+    done = _run_cli("profile", str(recipe), "--policies", "none,selectve", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "error: --policies: got 'selectve'; allowed: true, false, full, none, selective" in done.stderr
+    assert "(did you mean 'selective'?); or auto" in done.stderr and "heavy: []" in done.stderr
 
 
 def test_listing_the_shipped_recipes_loads_neither_torch_nor_transformers(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from remat.errors import RematError  # noqa: E402
 #: Faults of the machine rather than of the input: one line and exit status 1, not a traceback.
 ENVIRONMENT_FAULTS: frozenset[int] = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
-COMMANDS: tuple[str, ...] = ("finetune", "estimate", "plan", "report", "recipes")
+COMMANDS: tuple[str, ...] = ("finetune", "estimate", "plan", "profile", "report", "recipes")
 
 
 def _command_modules() -> dict[str, ModuleType]:

@@ -26,3 +26,8 @@ class TrainingDivergedError(RematError):
 
 class DistributedSetupError(RematError):
     """The process group could not be set up in time: a rank did not arrive or cannot be reached."""
+
+
+class MemoryBudgetError(RematError):
+    """A training step does not fit ``distributed.memory_budget`` and re-planning the checkpointing (``auto``) gave
+    up: the message says what the last plan needed and what would help."""

@@ -71,7 +71,6 @@ def test_unknown_models_are_config_errors(model: Any, message: str) -> None:
     ({"dtype": "int8"}, "dtype: got 'int8'"),
     ({"target": "tpu"}, "target: got 'tpu'"),
     ({"mixed_precision": "bfloat16"}, "mixed_precision: 'bfloat16' is FSDP2's"),
-    ({"policy": "offload"}, "offloads activations"),
     ({"policy": "fulll"}, "policy"),
     ({"documents_per_row": 40}, "documents_per_row: 40"),
     ({"batchsize": 2}, "batchsize: not a setting"),
@@ -165,7 +164,6 @@ def test_recipe_options_override_and_a_new_loss_drops_the_recipes_loss_arguments
 
 
 @pytest.mark.parametrize(("sections", "message"), [
-    ({"peft": {"r": 4}}, "peft"),
     ({"loss_fn": {"_target_": "torch.nn.CrossEntropyLoss"}}, "loss_fn._target_"),
     ({"step_scheduler": {"global_batch_size": 6, "local_batch_size": 2}}, "global_batch_size"),
     ({"distributed": {"strategy": "fsdp2", "tp_size": 2, "dp_size": 1}}, "distributed.tp_size: 2"),
@@ -275,3 +273,17 @@ def test_the_cuda_estimate_models_the_fused_losss_compiled_fast_path() -> None:
     fused = validate_recipe({"model": {"preset": "tiny-llama"},
                              "loss_fn": {"_target_": "remat.loss.FusedLinearCrossEntropy", "chunk_size": 64}})
     assert with_cuda_loss_defaults(fused).loss_fn.kwargs == {"chunk_size": 64, "compile": True}
+
+
+def test_a_lora_estimate_says_how_many_parameters_are_trained() -> None:
+    from remat.estimate.report import describe_settings
+
+    lora = estimate_memory("tiny-llama", batch_size=1, seq_length=32, target="cpu",
+                           peft={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    whole = estimate_memory("tiny-llama", batch_size=1, seq_length=32, target="cpu")
+    assert 0 < lora.trainable_parameters < whole.trainable_parameters == whole.parameters < lora.parameters
+    assert f"LoRA ({lora.trainable_parameters:,} of {lora.parameters:,} parameters trained)" in describe_settings(lora)
+    assert "LoRA" not in describe_settings(whole)
+    assert lora.breakdown["gradients"] < whole.breakdown["gradients"]
+    with pytest.raises(ConfigError, match=r"peft\.r"):
+        estimate_memory("tiny-llama", batch_size=1, seq_length=32, target="cpu", peft={"r": 0})

@@ -173,3 +173,33 @@ def test_higher_order_operator_outputs_are_counted_as_one_op() -> None:
     assert tracker.peak_bytes == 100 * F32 + 1  # the output and the bool predicate, alive together
     assert tracker.peak_op == "cond"
     del y
+
+
+def test_host_allocations_count_apart_from_device_bytes() -> None:
+    with LiveTensorTracker() as tracker:
+        device = torch.ones(1000)  # 4,000 bytes
+        with tracker.host_allocations():
+            host = torch.empty(2000)  # 8,000 bytes
+            host[:1000].copy_(device)  # an in-place op on a host storage changes nothing
+            extra = torch.empty(500)
+        assert (tracker.current_bytes, tracker.host_bytes) == (4000, 10000)
+        del extra
+        restored = host.clone()  # outside the block: device memory again
+        assert (tracker.current_bytes, tracker.host_bytes) == (12000, 8000)
+        del host, restored
+        assert (tracker.current_bytes, tracker.host_bytes) == (4000, 0)
+    assert (tracker.peak_bytes, tracker.host_peak_bytes) == (12000, 10000)
+    assert sum(tracker.peak_breakdown.values()) == tracker.peak_bytes
+    del device
+
+
+def test_host_rounding_counts_what_the_host_allocator_takes() -> None:
+    from remat.memory.tracker import pinned_block_bytes
+
+    assert [pinned_block_bytes(n) for n in (0, 1, 3000, 4096, 4097)] == [0, 1, 4096, 4096, 8192]
+    with LiveTensorTracker(host_rounding=pinned_block_bytes) as tracker:
+        with tracker.host_allocations():
+            host = torch.empty(750)  # 3,000 bytes, a 4,096-byte pinned block
+        assert tracker.host_bytes == 4096
+        del host
+    assert (tracker.host_bytes, tracker.host_peak_bytes, tracker.peak_bytes) == (0, 4096, 0)

@@ -212,3 +212,49 @@ def test_kv_sharing_blocks_are_measured_as_their_own_kinds_with_their_fallbacks(
     assert [c.mode for c in reuse.costs] == ["none", "attention", "mlp", "selective", "full"]
     assert reuse.cost("full").kept_bytes == 0 < reuse.cost("selective").kept_bytes < reuse.cost("none").kept_bytes
     assert 0 < reuse.cost("attention").recompute_flops < reuse.cost("full").recompute_flops
+
+
+def test_plans_for_kv_sharing_models_respect_the_producers_fallback() -> None:
+    """Gemma 3n end to end: at a tight and a middling budget the plan gives the key/value-storing layers only none or
+    mlp, so applying it takes no fallback (no warning) and every block gets exactly the planned mode."""
+    import warnings
+
+    from remat.checkpointing import CheckpointingWarning
+    from remat.estimate import StepSettings
+    from remat.models import ModelConfig, build_model
+    from remat.planner import Planner
+
+    model = ModelConfig(preset="tiny-gemma3n")
+    planner = Planner(model, StepSettings(batch_size=2, seq_length=256, target="cpu"))  # activations matter
+    peaks = {c.label: c.peak_bytes for c in planner.uniform_candidates(2**40)}
+    assert peaks["full"] < peaks["none"]
+    modes = []
+    for share in (0.0, 0.5):
+        plan = planner.plan(int(peaks["full"] + share * (peaks["none"] - peaks["full"])))
+        assert {block.mode for block in plan.blocks[:2]} <= {"none", "mlp"}, plan.policy.describe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointingWarning)
+            applied = apply_activation_checkpointing(build_model(model), plan.policy)
+        assert [layer.mode for layer in applied.layers] == [block.mode for block in plan.blocks]
+        modes.append(tuple(block.mode for block in plan.blocks))
+    assert any(mode in ("attention", "selective", "full") for mode in modes[0][2:]), modes  # the reusers recompute
+
+
+def test_auto_plans_a_lora_recipe_with_its_adapters(tmp_path: Path) -> None:
+    """A recipe with a ``peft`` section and ``auto``: planned with its adapters (only they have gradients and
+    optimizer state), within the budget, and the recipe comes back with its peft section and the chosen policy."""
+    from remat.planner import planner_for_recipe
+    from remat.planner.api import recipe_for_planning
+    from remat.recipes.loader import load_recipe_data
+
+    path = _recipe_file(tmp_path, activation_checkpointing="auto")
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "peft": {"r": 4}}))
+    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(path)))
+    none, full = (planner.estimate(CheckpointPolicy(mode=mode)) for mode in ("none", "full"))
+    assert 0 < none.trainable_parameters < none.parameters // 10  # the adapters only
+    # AdamW: exp_avg and exp_avg_sq in float32, and a float32 step per adapter tensor (4 blocks x 7 linears x A, B)
+    assert none.breakdown["optimizer_state"] == 2 * 4 * none.trainable_parameters + 4 * (4 * 7 * 2)
+    budget = full.peak_bytes + (none.peak_bytes - full.peak_bytes) // 2
+    cfg, plan = load_planned_recipe(path, [("distributed.memory_budget", budget)])
+    assert plan is not None and full.peak_bytes <= plan.peak_bytes <= budget
+    assert cfg.peft is not None and cfg.peft.r == 4 and cfg.distributed.activation_checkpointing == plan.policy

@@ -1,5 +1,5 @@
-"""The planner against real CPU steps, for a small Llama and a small MoE model, at budgets spread between the
-full-checkpointing peak and the no-checkpointing peak:
+"""The planner against real CPU steps, for a small Llama (also with LoRA) and a small MoE model, at budgets spread
+between the full-checkpointing peak and the no-checkpointing peak:
 
 - the real step's tracked peak (`LiveTensorTracker`, a step after the first) is within the budget every time (the
   CPU estimate the planner is judged by equals it to the byte);
@@ -34,6 +34,7 @@ CASES: dict[str, tuple[ModelConfig, dict[str, Any]]] = {
     "llama": (ModelConfig(preset="tiny-llama"), {"batch_size": 2, "seq_length": 128}),
     "moe": (ModelConfig(preset="tiny-moe", dtype="bfloat16"), {"batch_size": 2, "seq_length": 64,
                                                                 "dtype": "bfloat16"}),
+    "llama-lora": (ModelConfig(preset="tiny-llama"), {"batch_size": 2, "seq_length": 128, "peft": {"r": 4}}),
 }
 SHARES = (0.2, 0.45, 0.7)  # budgets: full peak + share x (none peak - full peak)
 
@@ -133,3 +134,22 @@ def test_gradients_with_the_plan_equal_the_uncheckpointed_run(planned: Planned) 
     assert expected.keys() == actual.keys() and expected
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_selective_on_moe_blocks_is_said_with_its_reason(planned: Planned, caplog: pytest.LogCaptureFixture) -> None:
+    """The seeds advise full over selective for mixture-of-experts blocks; a plan that still gives them selective
+    (it measures cheaper here) says so, with the measured figures, in its notes and as a logged warning."""
+    kinds = planned.planner.measurements.kinds
+    said = []
+    for plan in planned.plans:
+        moe_selective = [b.index for b in plan.blocks if b.mode == "selective" and kinds[0].is_moe]
+        note = [n for n in plan.notes if n.startswith("selective on mixture-of-experts blocks")]
+        assert bool(note) == bool(moe_selective), (plan.policy.describe(), plan.notes)
+        if note:
+            assert f"blocks {', '.join(map(str, moe_selective))}:" in note[0] and "prefers full" in note[0]
+            said.append(plan)
+    assert bool(said) == kinds[0].is_moe  # tiny-moe's plans use selective; the dense models' never warn
+    if said:
+        with caplog.at_level("WARNING", logger="remat.planner.planner"):
+            planned.planner.plan(said[0].budget_bytes)
+        assert any("mixture-of-experts" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")

@@ -23,7 +23,10 @@ same kernels and gradients are bitwise unchanged. Like every saved-tensor hook, 
 that a saved tensor was not modified in place after being saved (the copy keeps the value at save time).
 
 With ``copy_cpu_tensors=True`` tensors already on the CPU are copied into separate host buffers too: that saves no
-memory, but exercises the same bookkeeping on a machine without an accelerator (tests, demonstrations).
+memory, but exercises the same bookkeeping on a machine without an accelerator (tests, demonstrations, and the memory
+estimate, whose fake tensors live on the CPU but stand for device tensors). ``host_scope`` is entered around the
+allocation of each host buffer: a memory tracker passes its own (`remat.memory.LiveTensorTracker.host_allocations`)
+to count the host copies as host memory, apart from the device's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import threading
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -193,6 +198,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         module: its parameters and buffers are resident, never offloaded (parameters are detected anyway; this adds
             buffers such as causal masks).
         copy_cpu_tensors: also copy tensors that are already on the CPU (see module docstring).
+        host_scope: called for a context entered around each host-buffer allocation (see module docstring); the
+            attribute of the same name may be set later.
 
     One instance may be entered many times (e.g. once per block forward, for every block of a model): its stats
     accumulate and prefetching follows the save order across all of them.
@@ -207,6 +214,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         prefetch: int = 2,
         module: nn.Module | None = None,
         copy_cpu_tensors: bool = False,
+        host_scope: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         for name, value in (("min_bytes", min_bytes), ("prefetch", prefetch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -217,11 +225,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 raise ConfigError(f"OffloadActivations({name}=...) got {flag!r}; allowed: True or False")
         if module is not None and not isinstance(module, nn.Module):
             raise ConfigError(f"OffloadActivations(module=...) got {type(module).__name__}; allowed: an nn.Module")
+        if host_scope is not None and not callable(host_scope):
+            raise ConfigError(f"OffloadActivations(host_scope=...) got {type(host_scope).__name__}; allowed: a "
+                              "callable returning a context manager, or None")
         super().__init__(self._pack, self._unpack)
         self.min_bytes = min_bytes
         self.pin_memory = pin_memory
         self.prefetch = prefetch
         self.copy_cpu_tensors = copy_cpu_tensors
+        self.host_scope = host_scope
         self.stats = OffloadStats()
         self._module = module
         self._sync = _SyncCopies()
@@ -339,7 +351,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 copy.saves += 1
                 self.stats.deduplicated += 1
                 return copy
-        host, done = self._copies(t.device, t).to_host(t, self.pin_memory)
+        with self.host_scope() if self.host_scope is not None else nullcontext():
+            host, done = self._copies(t.device, t).to_host(t, self.pin_memory)
         with self._lock:
             self._seq += 1
             copy = _HostCopy(self._seq, host, t.device, done)

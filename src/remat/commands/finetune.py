@@ -4,8 +4,11 @@ process or in worker processes started by torchrun."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -13,6 +16,9 @@ from pydantic import BaseModel
 NAME = "finetune"
 
 logger = logging.getLogger(__name__)
+
+AUTO_PLANNED_ENV = "REMAT_AUTO_PLANNED"
+"""Set by the launcher for its workers when the recipe asked for ``auto`` (it passes them the chosen policy)."""
 
 DESCRIPTION = """\
 Fine-tune a causal LM from a YAML recipe. Any recipe key can be overridden on the command line with its dotted
@@ -77,17 +83,26 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         refuse_if_held(run_directories(cfg))  # another run writes there: refused before starting workers
         if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
             check_cuda_devices(int(options.nproc_per_node or "1"))
-        if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
-            overrides = restart_before_launch(cfg, options.node_rank, overrides)
-        worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
-        return launch(options, worker)
+        from remat.commands.host_memory import checked_before_launch
+
+        nproc = options.nproc_per_node or "1"  # host memory for activation offload: checked once per node, here
+        with checked_before_launch(cfg, local_ranks=int(nproc) if nproc.isdigit() else None, world_size=world_size):
+            if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
+                overrides = restart_before_launch(cfg, options.node_rank, overrides)
+            worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
+            with _workers_told_auto(planned):
+                return launch(options, worker)
     process = ProcessEnv.from_environ()
     if process.rank != 0:  # only rank 0 reports; the others say only what goes wrong
         logging.getLogger("remat").setLevel(logging.WARNING)
     note = single_process_note(cfg.distributed.strategy, process.world_size, args.recipe)
     if note is not None:
         logging.getLogger(__name__).warning(note)
-    recipe = FinetuneRecipe(cfg)
+    from remat.commands.host_memory import check_in_worker
+
+    check_in_worker(cfg, local_ranks=process.local_world_size, world_size=process.world_size)
+    recipe = FinetuneRecipe(cfg, replanner=_run_time_replanner(cfg, process.world_size)
+                            if planned or os.environ.get(AUTO_PLANNED_ENV) == "1" else None)
     try:
         result = recipe.run()
         # Every rank leaves together: rank 0 may still be drawing the run's report, and gloo's teardown was seen to
@@ -96,6 +111,31 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         recipe.dist.close()
     return result.exit_code
+
+
+@contextlib.contextmanager
+def _workers_told_auto(planned: bool) -> Iterator[None]:
+    """While launching: tell the workers (through their environment) that the policy they get as an override was
+    planned from ``auto``, so they may re-plan it; this process's environment is left as it was."""
+    before = os.environ.get(AUTO_PLANNED_ENV)
+    if planned:
+        os.environ[AUTO_PLANNED_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(AUTO_PLANNED_ENV, None)
+        else:
+            os.environ[AUTO_PLANNED_ENV] = before
+
+
+def _run_time_replanner(cfg: Any, world_size: int) -> Any:
+    """The re-planner of an ``auto`` run (`remat.planner.adapt`), or None with ``distributed.max_replans: 0``."""
+    if cfg.distributed.max_replans == 0:
+        return None
+    from remat.planner.adapt import adapter_for_recipe
+
+    return adapter_for_recipe(cfg, world_size=world_size)
 
 
 def _print_config(cfg: Any) -> int:

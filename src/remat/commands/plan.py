@@ -22,6 +22,9 @@ A budget is bytes, a size (40GiB, 24GB) or a fraction of the GPU's memory; witho
 distributed.memory_budget, else the GPU's memory minus a margin. The budget is per rank. The printout gives the
 frontier (uniform policies with their predicted peak and recompute), then per budget the plan: per block the mode,
 bytes kept and saved and FLOPs recomputed, the predicted peak and the recompute overhead. See docs/planner.md.
+Recompute seconds are FLOPs at a throughput: --flops-per-second, or one measured on this device by
+`remat profile RECIPE --write-calibration cal.json` and given as --calibration cal.json (or the recipe's
+distributed.planner_calibration).
 Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
 """
 
@@ -43,6 +46,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--world-size", type=int, help="data-parallel ranks (ddp / fsdp2 recipes without dp_size)")
     parser.add_argument("--flops-per-second", type=float,
                         help="throughput recompute is priced at (default: 4e14 for cuda, 5e10 for cpu)")
+    parser.add_argument("--calibration", metavar="PATH",
+                        help="price recompute at the throughput measured by `remat profile --write-calibration PATH` "
+                             "(default: the recipe's distributed.planner_calibration, else the default above)")
     parser.add_argument("--json", metavar="PATH", help="write the frontier and every budget's plan as JSON")
     parser.add_argument("--png", metavar="PATH", help="write a chart of predicted peak against recompute")
 
@@ -57,7 +63,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     target = args.target or ("cpu" if cfg.distributed.device == "cpu" else "cuda")
     budgets = [recipe_budget(cfg, budget, target) for budget in (args.budget or [None])]
     options = {"world_size": args.world_size} if args.world_size else {}
-    planner = planner_for_recipe(cfg, target=target, flops_per_second=args.flops_per_second, **options)
+    planner = planner_for_recipe(cfg, target=target, flops_per_second=_flops_per_second(args, target), **options)
     frontier = planner.uniform_candidates(max(budgets))
     answers = []
     for budget in budgets:
@@ -76,3 +82,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         logger.info("wrote %s", plot_plans(frontier, answers, args.png, step_flops=step_flops))
     return 0 if all(answer.plan is not None for answer in answers) else 1
 
+
+
+def _flops_per_second(args: argparse.Namespace, target: str) -> float | None:
+    """``--flops-per-second``, or the throughput in ``--calibration``; None leaves it to the recipe / default."""
+    from remat.errors import ConfigError
+    from remat.planner.calibration import calibrated_flops_per_second
+
+    if args.calibration is None:
+        return args.flops_per_second
+    if args.flops_per_second is not None:
+        raise ConfigError("--calibration: give it or --flops-per-second, not both (each sets the throughput "
+                          "recompute is priced at)")
+    return calibrated_flops_per_second(args.calibration, target, key="--calibration")

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy
+from remat.checkpointing import (CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy,
+                                 remove_activation_checkpointing)
 from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES, Strategy
 from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
 from remat.distributed.rendezvous import (INIT_TIMEOUT_S, WATCHDOG_GRACE_S, check_timeouts, setup_deadline,
@@ -172,6 +173,31 @@ class DistributedSetup:
         else:
             self.root = self._shard_fsdp2(model, top, policy.block_pattern)
         return self.root
+
+    def replace_checkpointing(self, model: nn.Module, policy: Any) -> CheckpointPlan:
+        """Swap the activation checkpointing `parallelize` applied to ``model`` for ``policy``, in place (unwrap
+        every block, wrap again; parameters, gradients, optimizer state and the DDP / FSDP2 wrappers are untouched),
+        between steps. Under fsdp2 the new plan must shard the blocks in the same units (no multi-block segments
+        appearing or vanishing): `CheckpointingError` otherwise."""
+        parsed = parse_policy(policy, key="distributed.activation_checkpointing")
+        old_groups = self._groups_of(self.plan, model)
+        remove_activation_checkpointing(model)
+        self.plan = apply_activation_checkpointing(model, parsed)
+        self.activation_checkpointing = parsed
+        if self.strategy == "fsdp2" and self._groups_of(self.plan, model) != old_groups:
+            raise CheckpointingError(
+                f"fsdp2: the policy {parsed.describe()} groups blocks into other FSDP units than the one it "
+                "replaces (multi-block segments); it cannot be swapped in while training. Pin a policy without "
+                "segments, or restart the run with it")
+        return self.plan
+
+    def _groups_of(self, plan: CheckpointPlan | None, model: nn.Module) -> tuple[tuple[str, ...], ...]:
+        if plan is not None and plan.layers:
+            return plan.shard_groups()
+        try:
+            return tuple((block.name,) for block in find_blocks(model).blocks)
+        except CheckpointingError:
+            return ()
 
     def _blocks(self, model: nn.Module, block_pattern: str | None) -> list[nn.Module]:
         try:

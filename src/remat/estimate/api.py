@@ -11,7 +11,9 @@ are simulated by `remat.estimate.simulate.simulate_step` on fake tensors, then i
 - ``first_step_peak_bytes``: the first step's peak, in which the optimizer state is created;
 - ``breakdown`` and ``phase``: the categories of the bytes alive at ``peak_bytes`` and the phase it falls in;
 - ``phase_peaks``: the highest ``peak_bytes``-style figure within each phase (forward, loss, backward, optimizer
-  step; "start" is the memory held before the step).
+  step; "start" is the memory held before the step);
+- ``host_peak_bytes``: the most host memory that offloaded activations occupy at once during the step (0 without
+  an offloading policy; see `remat.estimate.offload`). It is not part of ``peak_bytes``, which is device memory.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class MemoryEstimate:
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
     label: str = ""
+    host_peak_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -86,6 +89,7 @@ class MemoryEstimate:
             "phase_peaks": dict(self.phase_peaks),
             "tensor_peak_bytes": self.tensor_peak_bytes,
             "first_step_peak_bytes": self.first_step_peak_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
             "reserved_bytes": self.reserved_bytes,
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
@@ -147,6 +151,7 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
         notes=tuple(notes),
         seconds=trace.seconds,
         label=label,
+        host_peak_bytes=trace.host_peak,
     )
 
 

@@ -61,8 +61,10 @@ def describe_settings(estimate: MemoryEstimate) -> str:
         precision += f", FSDP compute in {s.mixed_precision}"
     parallel = s.strategy if s.strategy == "single" else f"{s.strategy} over {s.world_size} ranks"
     accumulation = f", {s.grad_accumulation} micro-batches per step" if s.grad_accumulation > 1 else ""
+    lora = (f"; LoRA ({estimate.trainable_parameters:,} of {estimate.parameters:,} parameters trained)"
+            if s.peft is not None else "")
     return (f"{estimate.model}; batch {s.batch_size} x {s.seq_length} tokens{accumulation}; {precision}; "
-            f"optimizer {s.optimizer.rsplit('.', 1)[-1]}; {parallel}; modelled for {s.target.upper()}")
+            f"optimizer {s.optimizer.rsplit('.', 1)[-1]}{lora}; {parallel}; modelled for {s.target.upper()}")
 
 
 def breakdown_table(estimate: MemoryEstimate, *, capacity_bytes: int | None = None) -> str:
@@ -77,6 +79,8 @@ def breakdown_table(estimate: MemoryEstimate, *, capacity_bytes: int | None = No
              f"first step (optimizer state created during it): {gib(estimate.first_step_peak_bytes)} GiB"]
     if estimate.reserved_bytes is not None:
         lines.append(f"reserved by the caching allocator (model): {gib(estimate.reserved_bytes)} GiB")
+    if estimate.host_peak_bytes:
+        lines.append(host_line(estimate))
     if capacity_bytes is not None:
         lines.append(f"fits {gib(capacity_bytes)} GiB: {'yes' if estimate.fits(capacity_bytes) else 'NO'}")
     lines.extend(f"note: {note}" for note in estimate.notes)
@@ -102,12 +106,19 @@ def _compare_rows(estimates: Sequence[MemoryEstimate], capacity_bytes: int | Non
     return rows
 
 
+def host_line(estimate: MemoryEstimate) -> str:
+    """One line: the host memory an estimate's offloaded activations need at most (outside the device peak)."""
+    return (f"host memory for offloaded activations, at most: {gib(estimate.host_peak_bytes)} GiB "
+            f"({gb(estimate.host_peak_bytes)} GB; per rank, not part of the peak)")
+
+
 def comparison_table(estimates: Sequence[MemoryEstimate], *, capacity_bytes: int | None = None) -> str:
     """One row per estimate, side by side: the peak and its breakdown (GiB), its phase, and whether it fits."""
     header = _COMPARE_HEADER + ((f"fits {gib(capacity_bytes)} GiB",) if capacity_bytes is not None else ())
     table = _columns(header, _compare_rows(estimates, capacity_bytes), left=frozenset({0, 8}))
     lines = [describe_settings(estimates[0]) if estimates else "", table]
     lines.append(_COMPARE_NOTE)
+    lines.extend(f"{e.name}: {host_line(e)}" for e in estimates if e.host_peak_bytes)
     return "\n".join(lines)
 
 
@@ -127,7 +138,7 @@ def print_comparison(estimates: Sequence[MemoryEstimate], *, capacity_bytes: int
     for row in _compare_rows(estimates, capacity_bytes):
         style = "red" if capacity_bytes is not None and row[-1] == "NO" else None
         table.add_row(*row, style=style)
-    table.caption = _COMPARE_NOTE
+    table.caption = "\n".join([_COMPARE_NOTE, *(f"{e.name}: {host_line(e)}" for e in estimates if e.host_peak_bytes)])
     Console().print(table)
 
 

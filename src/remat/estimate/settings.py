@@ -33,7 +33,8 @@ class StepSettings:
 
     ``batch_size`` is the per-rank micro-batch (``step_scheduler.local_batch_size``), ``grad_accumulation`` the
     micro-batches per step, ``policy`` ``distributed.activation_checkpointing``, ``loss`` ``"plain"`` / ``"fused"`` or
-    a ``loss_fn._target_``; ``dtype``/``autocast`` None keep the model config's. ``base``: the recipe the other
+    a ``loss_fn._target_``; ``dtype``/``autocast`` None keep the model config's; ``peft`` the recipe's LoRA section
+    (``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``; None trains every parameter). ``base``: the recipe the other
     fields override (its remaining keys, e.g. ``distributed.fsdp_reduce_every_micro_batch``, are kept).
     """
 
@@ -55,6 +56,7 @@ class StepSettings:
     vocab_size: int | None = None
     target: Target = "cuda"
     custom_target_packages: tuple[str, ...] = ()
+    peft: Mapping[str, Any] | None = None
     base: RecipeConfig | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
@@ -110,6 +112,7 @@ class StepSettings:
                             "dp_size": None if self.strategy == "single" else self.world_size,
                             "mixed_precision": self.mixed_precision},
             "custom_target_packages": list(self.custom_target_packages),
+            "peft": dict(self.peft) if self.peft is not None else None,
         })
         return validate_recipe(data)
 
@@ -136,7 +139,8 @@ class StepSettings:
             optimizer_kwargs=dict(cfg.optimizer.kwargs), clip_grad_norm=cfg.clip_grad_norm.max_norm,
             strategy=d.strategy, world_size=world_size, mixed_precision=d.mixed_precision,
             grad_accumulation=accumulation, vocab_size=vocab_size,
-            custom_target_packages=tuple(cfg.custom_target_packages), base=cfg,
+            custom_target_packages=tuple(cfg.custom_target_packages),
+            peft=cfg.peft.model_dump(mode="json") if cfg.peft is not None else None, base=cfg,
         )
         if "loss" in options and options["loss"] != loss:
             options.setdefault("loss_kwargs", {})  # the recipe's loss arguments belong to the recipe's loss

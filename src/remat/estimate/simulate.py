@@ -17,6 +17,8 @@ Details that make the fake step the real one:
   (`remat.estimate.attention`; counts include recomputations), and optimizers that accept ``foreach`` get ``foreach=True`` unless the
   caller chose (PyTorch's default for CUDA parameters; on CPU parameters it runs a per-parameter loop).
   ``target="cpu"`` runs what the CPU runs, so the figures equal a real CPU step's tracked peak.
+- A recipe's ``peft`` section is applied by the recipe's own `apply_lora`, its adapters made on the meta device and
+  then given fake storage (`remat.estimate.fake_model`: peft's ``Module.to`` cannot swap fake parameters).
 - DTensor's sharding propagation builds global-shape tensors to infer output shapes; on real tensors it does so in
   a private fake mode, which the simulation gives it here too, so those never count.
 - ``ddp``: ``DistributedDataParallel`` needs real parameter data at construction, so it cannot wrap fake tensors.
@@ -24,6 +26,9 @@ Details that make the fake step the real one:
   reducer's gradient buckets are added from the start of the step: DDP keeps one flat buffer per bucket (the first of
   1 MiB, the others of 25 MiB, filled in reverse parameter order as `dist._compute_bucket_assignment_by_size` does)
   for the whole run, next to the ``.grad`` tensors (``gradient_as_bucket_view=False``, the default).
+- Offloading policies run the recipe's own `remat.checkpointing.offload.OffloadActivations` hooks
+  (`remat.estimate.offload`): its host copies are counted as host memory (``StepTrace.host_peak``), not in the
+  device figures.
 """
 
 from __future__ import annotations
@@ -45,10 +50,12 @@ from remat.distributed import DistributedSetup, validate_settings
 from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
 from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
+from remat.estimate.fake_model import build_fake_model
 from remat.estimate.limits import check_simulated_sizes
+from remat.estimate.offload import count_offload_on_host, describe_offload
 from remat.memory.tracker import LiveTensorTracker
 from remat.models import resolve_model_config
-from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+from remat.recipes.build import build_optimizer, build_training_module
 from remat.recipes.config import RecipeConfig
 from remat.recipes.step import step_label_tokens, train_step
 
@@ -56,6 +63,7 @@ DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 """DistributedDataParallel's default bucket capacity (the first bucket is ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 GRADIENT_BUCKETS: Final[str] = "gradient_buckets"
 """The category of DDP's gradient buckets, which the live-tensor tracker does not see."""
+_DEVICE_OP: Final[Any] = torch.ops.prim.device.default
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,9 @@ class SimulatedRun:
     world_size: int = 1
     documents_per_row: int = 1
     vocab_size: int | None = None
+    copy_cpu_tensors: bool | None = None
+    """Whether an offloading policy's context copies tensors that are already on the CPU to its host buffers: None
+    decides by ``target`` (see `remat.estimate.offload.offload_copies_cpu_tensors`)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,8 @@ class StepTrace:
     """(number of events recorded before the mark, label)."""
     tracked_peak: int = 0
     tracked_breakdown: dict[str, int] = field(default_factory=dict)
+    host_peak: int = 0
+    """The most bytes of offloaded activations held in host memory at once (0 without offloading)."""
     parameters: int = 0
     trainable_parameters: int = 0
     attention_kernels: dict[str, int] = field(default_factory=dict)
@@ -119,6 +132,10 @@ class _SimulationMode(TorchDispatchMode):
         self.cpu_attention_calls = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE_OP and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
+            # Half the ops of a step are device queries (the autograd engine asks for every gradient); answered
+            # here as the fake mode answers them, they skip the modes below, which neither allocate nor record.
+            return args[0].fake_device
         kwargs = kwargs or {}
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # DTensor: let it run its ops on local tensors, which come back here
@@ -179,9 +196,8 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
     strategy = recipe.distributed.strategy
     with _process_group(strategy, run.world_size), _private_sharding_fake_mode():
         setup = simulation_setup(recipe, run.world_size, mesh=_mesh(strategy, run.world_size))
+        net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
         with fake:
-            torch.manual_seed(0)
-            net = build_recipe_model(recipe, vocab_size=run.vocab_size)
             root = build_training_module(net, recipe, setup)
         if setup.plan is not None:
             trace.notes.append(f"activation checkpointing: {setup.plan.summary()}")
@@ -201,6 +217,7 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
         parts = root.decoder if root.use_hidden_states else net
         hook = parts.register_forward_hook(lambda *_: trace.mark("loss"))
         tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
+        offload = count_offload_on_host(setup.plan, tracker, run)
 
         def mark(label: str) -> None:
             trace.mark(label)
@@ -227,6 +244,9 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
             hook.remove()
     trace.tracked_peak = tracker.peak_bytes
     trace.tracked_breakdown = tracker.peak_breakdown
+    trace.host_peak = tracker.host_peak_bytes
+    if offload is not None:
+        trace.notes.append(describe_offload(offload, tracker.host_peak_bytes))
     if isinstance(attention, CudaAttention):
         trace.attention_kernels = {k: v for k, v in attention.kernels.items() if v}
     if mode.cpu_attention_calls:
@@ -243,9 +263,6 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     if run.target not in TARGETS:
         raise ConfigError(f"target: got {run.target!r}; allowed: {', '.join(TARGETS)}")
     d = recipe.distributed
-    if recipe.peft is not None:
-        raise ConfigError("peft: the estimate does not model LoRA fine-tuning yet; estimate the recipe without the "
-                          "peft section (an upper bound: every parameter trained)")
     for name in ("tp_size", "cp_size"):
         if getattr(d, name) != 1:
             raise ConfigError(f"distributed.{name}: {getattr(d, name)} is not modelled by the estimate; "
@@ -255,11 +272,6 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     if d.cpu_offload:
         raise ConfigError("distributed.cpu_offload: true keeps FSDP2's state in host memory, which the estimate does "
                           "not model; allowed: false")
-    policy = d.activation_checkpointing
-    if policy.offload or policy.mode == "offload" or any(o.offload or o.mode == "offload" for o in policy.layers):
-        raise ConfigError(f"distributed.activation_checkpointing: {policy.describe()!r} offloads activations to host "
-                          "memory, which the estimate does not model; allowed: none, full, selective, attention, "
-                          "mlp, sqrt (with every_n_layers / segments / per-layer modes)")
     seq_length = recipe.dataset.seq_length
     if not 1 <= run.documents_per_row <= seq_length // 2:
         raise ConfigError(f"documents_per_row: {run.documents_per_row} documents do not fit a row of {seq_length} "

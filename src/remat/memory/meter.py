@@ -142,6 +142,20 @@ class StepMemoryMeter:
         if self._tracker is not None:
             self._tracker.mark(label)
 
+    def peak_so_far(self) -> int:
+        """The peak of the step being measured, up to now (for a check inside the step, e.g. before the optimizer
+        update): the tracker's peak, the CUDA allocator's (synchronised first) or the peak RSS. Call it inside
+        `step`."""
+        if self._source == "cuda":
+            device = self._cuda_device(self._model)
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device))
+        if self._source == "rss":
+            return rss.read_vm_hwm() or rss.lifetime_peak_rss()
+        if self._tracker is None:
+            raise RuntimeError("peak_so_far: no step is being measured; call it inside `with meter.step(): ...`")
+        return int(self._tracker.peak_bytes)
+
     @contextmanager
     def step(self, *, model: nn.Module | None = None, optimizer: Optimizer | None = None) -> Iterator[None]:
         """Measure the peak of the code inside the block; the reading is in `last` afterwards."""

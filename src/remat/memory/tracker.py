@@ -5,12 +5,16 @@ fresh outputs (ops whose schema says an output aliases an input, i.e. views and 
 nothing), keyed by storage identity, and holds a weak reference whose callback subtracts the storage's bytes the
 moment the storage really dies. The live byte count is therefore exact at every op boundary, for real CPU/CUDA
 tensors and for fake tensors alike, through autograd backward and through non-reentrant checkpoint recompute.
+
+Storages created inside `LiveTensorTracker.host_allocations` (the host copies of an activation-offloading context)
+are counted apart, in host bytes (`host_bytes`, `host_peak_bytes`), and never in the device figures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import torch
@@ -37,6 +41,12 @@ to ``category``); ``serial`` identifies the storage for its whole life and is ne
 
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The bytes PyTorch's caching host allocator takes for a pinned buffer of ``nbytes``: the next power of two (its
+    blocks are power-of-two sized so that freed ones are reused; they stay cached, pinned, for later copies)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def _active_fake_mode() -> Any:
@@ -143,6 +153,11 @@ class LiveTensorTracker(TorchDispatchMode):
     allocator model). Values freeze when the block exits;
     entering again starts a new measurement. Entering a tracker that is already active raises `RuntimeError`;
     two different trackers may be nested and each counts everything inside it.
+
+    Host memory: storages created inside `host_allocations()` (give it to an offloading context as its
+    ``host_scope``) are host copies. They count in `host_bytes` / `host_peak_bytes` only, never in `current_bytes`,
+    `peak_bytes` or a category, and the listener is not told of them. ``host_rounding`` (None: exact bytes) maps a
+    host storage's bytes to what its allocator takes for it (e.g. `pinned_block_bytes`).
     """
 
     # Higher-order operators (flex_attention, ...) come to __torch_dispatch__ as one op: their outputs are
@@ -155,8 +170,10 @@ class LiveTensorTracker(TorchDispatchMode):
         module: nn.Module | None = None,
         optimizer: Optimizer | None = None,
         listener: StorageListener | None = None,
+        host_rounding: Callable[[int], int] | None = None,
     ) -> None:
         super().__init__()
+        self.host_rounding = host_rounding
         self._module = module
         self._optimizer = optimizer
         self._listener = listener
@@ -175,6 +192,26 @@ class LiveTensorTracker(TorchDispatchMode):
     def peak_bytes(self) -> int:
         """Highest `current_bytes` seen at any op boundary since entry or the last `reset_peak()`."""
         return self._peak
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host storages (see `host_allocations`) alive now (frozen at exit)."""
+        return self._host_current
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Highest `host_bytes` since entry (not reset by `reset_peak`)."""
+        return self._host_peak
+
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Storages created by ops inside this block (on this tracker's thread) are host memory: counted in
+        `host_bytes`, not in the device figures. Re-entrant."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
 
     @property
     def peak_breakdown(self) -> dict[str, int]:
@@ -248,9 +285,14 @@ class LiveTensorTracker(TorchDispatchMode):
         self._hook_handles = []
         # Dropping the weak references disables their callbacks: the figures freeze here.
         self._refs = {}
+        self._host_refs = {}
 
     def _clear(self) -> None:
         self._refs: dict[int, _StorageRef] = {}
+        self._host_refs: dict[int, _StorageRef] = {}
+        self._host_current = 0
+        self._host_peak = 0
+        self._host_depth = 0
         self._by_category = [0] * len(CATEGORIES)
         self._current = 0
         self._seq = 0
@@ -272,7 +314,10 @@ class LiveTensorTracker(TorchDispatchMode):
             # global-shape fake tensors in a private fake mode): nothing it makes is memory of the measured step.
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if _op_allocates(func):
+        if self._host_depth:
+            if _op_allocates(func):
+                self._track_host(out)
+        elif _op_allocates(func):
             self._track_outputs(out)
             if self._current > self._peak:
                 self._record_peak(func)
@@ -286,6 +331,23 @@ class LiveTensorTracker(TorchDispatchMode):
         elif isinstance(out, (tuple, list)):
             for item in out:
                 self._track_outputs(item)
+
+    def _track_host(self, out: Any) -> None:
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+                storage = tensor.untyped_storage()
+                if id(storage) not in self._host_refs and id(storage) not in self._refs:
+                    nbytes = int(storage.nbytes())
+                    if self.host_rounding is not None:
+                        nbytes = self.host_rounding(nbytes)
+                    self._host_refs[id(storage)] = _StorageRef(storage, self._on_host_free, id(storage), nbytes, -1, 0)
+                    self._host_current += nbytes
+                    self._host_peak = max(self._host_peak, self._host_current)
+
+    def _on_host_free(self, ref: _StorageRef) -> None:
+        if self._host_refs.get(ref.key) is ref:
+            del self._host_refs[ref.key]
+            self._host_current -= ref.nbytes
 
     def _track_new(self, storage: torch.UntypedStorage | None) -> None:
         if storage is not None and id(storage) not in self._refs:

@@ -15,6 +15,7 @@ from remat.errors import ConfigError
 from remat.estimate.api import ModelLike, resolve_model, settings_from_recipe
 from remat.estimate.settings import StepSettings
 from remat.planner.budget import BudgetLike, parse_budget
+from remat.planner.calibration import calibrated_flops_per_second
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.recipes.config import RecipeConfig
@@ -89,8 +90,16 @@ def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | N
 
 def planner_for_recipe(cfg: RecipeConfig, *, target: str | None = None, flops_per_second: float | None = None,
                        **settings: Any) -> Planner:
-    """A `Planner` for the step ``cfg`` trains on ``target`` (default: the device the recipe would train on)."""
-    model, step = settings_from_recipe(cfg, target=target or default_target(cfg.distributed.device), **settings)
+    """A `Planner` for the step ``cfg`` trains on ``target`` (default: the device the recipe would train on).
+    Recompute is priced at ``flops_per_second``, else at the throughput in the recipe's
+    ``distributed.planner_calibration`` (`remat.planner.calibration`), else at the target's default."""
+    target = target or default_target(cfg.distributed.device)
+    if flops_per_second is None and cfg.distributed.planner_calibration is not None:
+        flops_per_second = calibrated_flops_per_second(cfg.distributed.planner_calibration, target,
+                                                       key="distributed.planner_calibration")
+        logger.info("planner: recompute priced at %.3g FLOP/s from %s", flops_per_second,
+                    cfg.distributed.planner_calibration)
+    model, step = settings_from_recipe(cfg, target=target, **settings)
     return Planner(model, step, flops_per_second)
 
 

@@ -31,9 +31,9 @@ from remat.checkpointing.apply import remove_activation_checkpointing
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
 from remat.estimate.attention import CudaAttention
+from remat.estimate.fake_model import build_fake_model
 from remat.estimate.simulate import SimulatedRun, make_batch, simulation_mode
 from remat.memory import LiveTensorTracker
-from remat.recipes.build import build_recipe_model
 from remat.recipes.config import RecipeConfig
 
 #: The per-block modes the planner chooses among, from keeping everything to recomputing the whole block.
@@ -64,6 +64,8 @@ class BlockKind:
     costs: tuple[ModeCost, ...]
     flops: int
     """Forward plus backward FLOPs of one block without checkpointing."""
+    is_moe: bool = False
+    """Mixture-of-experts blocks (`remat.checkpointing.is_moe_block`)."""
 
     def cost(self, mode: Mode) -> ModeCost:
         """The cost of ``mode`` (KeyError when this kind cannot take it)."""
@@ -119,9 +121,7 @@ def quiet_checkpointing_log() -> Iterator[None]:
 def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurements:
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
-        torch.manual_seed(0)
-        net = build_recipe_model(recipe, vocab_size=run.vocab_size)
+    net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
     if recipe.distributed.activation_checkpointing.block_pattern is not None:
         search = find_blocks(net, recipe.distributed.activation_checkpointing.block_pattern)
     else:
@@ -141,7 +141,7 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
             indices=tuple(block.index for block in group),
             costs=tuple(ModeCost(mode, kept, max(0, flops - base_flops), backward_peak)
                         for mode, (kept, flops, backward_peak) in raw.items()),
-            flops=base_flops,
+            flops=base_flops, is_moe=first.is_moe,
         ))
     hidden = int(net.config.get_text_config().hidden_size)
     tokens = recipe.step_scheduler.local_batch_size * recipe.dataset.seq_length

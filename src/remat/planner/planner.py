@@ -12,6 +12,10 @@
 4. Compare with the uniform policies (none, attention, mlp, selective, full, full every 2nd / 4th block), each
    priced by the estimate: a fitting uniform policy with fewer FLOPs than the chosen mix replaces it, so the plan
    never recomputes more than the best uniform policy that fits.
+5. On ``target="cuda"``, offloaded variants (``OFFLOADED``: full or selective with the kept inputs in host memory),
+   priced by the estimate (which models the offload) and timed with the host<->device copies, twice the host bytes
+   per micro-batch at ``host_bandwidth`` (not overlapped with compute: an upper bound); one replaces the plan when it
+   fits and its recompute plus copies take less time. Only those whose recompute alone could beat the plan are priced.
 
 Estimates are cached per policy, so planning several budgets for one recipe (`remat plan --budget ...`) reuses them.
 """
@@ -30,6 +34,7 @@ from remat.errors import ConfigError
 from remat.estimate.api import MemoryEstimate, estimate_memory
 from remat.estimate.settings import LOSS_TARGETS, StepSettings
 from remat.models import ModelConfig
+from remat.planner.advice import moe_selective_note
 from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
 from remat.planner.result import GIB, ActivationPlan, BlockChoice, Candidate
@@ -42,6 +47,15 @@ MAX_ESTIMATES_PER_BUDGET: Final[int] = 6
 DEFAULT_FLOPS_PER_SECOND: Final[dict[str, float]] = {"cuda": 4.0e14, "cpu": 5.0e10}
 """Throughput recompute is priced at: ``cuda`` about 40% of an H100's dense bf16 peak (989 TFLOP/s), what eager
 transformer blocks reach; ``cpu`` a few cores. Only the reported seconds depend on it: the choice minimises FLOPs."""
+
+DEFAULT_HOST_BANDWIDTH: Final[float] = 20e9
+"""Host<->device copy rate (bytes/s) offloaded activations are priced at: about what pinned copies reach over PCIe
+4.0 x16 one way (the H100 machine measured 57.1 s against 53.9 s for 2 x 16 GiB of copies at 256k tokens)."""
+
+OFFLOADED: Final[tuple[tuple[str, Mode], ...]] = (
+    ("full, inputs offloaded", "full"), ("selective, inputs offloaded", "selective"),
+)
+"""The offloaded policies a plan is compared with on a GPU: (label, mode with ``offload: true``)."""
 
 UNIFORM: Final[tuple[tuple[str, Mode, int], ...]] = (
     ("none", "none", 1), ("attention", "attention", 1), ("mlp", "mlp", 1), ("selective", "selective", 1),
@@ -60,6 +74,7 @@ class Planner:
     model: ModelConfig
     settings: StepSettings
     flops_per_second: float | None = None
+    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     measurements: BlockMeasurements = field(init=False)
     _estimates: dict[str, MemoryEstimate] = field(init=False, default_factory=dict)
 
@@ -70,6 +85,9 @@ class Planner:
             self.flops_per_second = DEFAULT_FLOPS_PER_SECOND[self.settings.target]
         elif not self.flops_per_second > 0:
             raise ConfigError(f"flops_per_second: got {self.flops_per_second!r}; allowed: a number > 0")
+        if isinstance(self.host_bandwidth, bool) or not (isinstance(self.host_bandwidth, (int, float))
+                                                         and self.host_bandwidth > 0):
+            raise ConfigError(f"host_bandwidth: got {self.host_bandwidth!r}; allowed: bytes per second, a number > 0")
         recipe = self.settings.to_recipe(self.model)
         self.measurements = measure_blocks(recipe, self.settings.run())
         self._frontier = frontier(self.measurements)
@@ -85,7 +103,8 @@ class Planner:
         if key not in self._estimates:
             settings = dataclasses.replace(self.settings, policy=policy.to_dict())
             with quiet_checkpointing_log(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", CheckpointingWarning)  # e.g. selective on MoE blocks: priced, not used
+                # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
+                warnings.simplefilter("ignore", CheckpointingWarning)
                 estimate = estimate_memory(self.model, settings)
             logger.info("planner: %s -> predicted peak %.2f GiB (%.1f s)", policy.describe(),
                         estimate.peak_bytes / GIB, estimate.seconds)
@@ -117,13 +136,17 @@ class Planner:
             raise ConfigError(f"memory_budget: got {budget_bytes!r}; allowed: a number of bytes >= 1")
         tried = self._search(budget_bytes)
         fitting = [c for c in tried if c.fits]
-        best = min(fitting, key=lambda c: c.recompute_flops) if fitting else None
+        best = min(fitting, key=self._seconds) if fitting else None
         uniforms = self.uniform_candidates(budget_bytes) if all_candidates else self._cheaper_uniforms(best,
                                                                                                    budget_bytes)
         for candidate in uniforms:
-            if candidate.fits and (best is None or candidate.recompute_flops < best.recompute_flops):
+            if candidate.fits and (best is None or self._seconds(candidate) < self._seconds(best)):
                 best = candidate
-        candidates = _unique([*uniforms, *tried])
+        offloaded = self._offloaded_candidates(best, budget_bytes, all_candidates)
+        for candidate in offloaded:
+            if candidate.fits and (best is None or self._seconds(candidate) < self._seconds(best)):
+                best = candidate
+        candidates = _unique([*uniforms, *offloaded, *tried])
         if best is None:
             raise self._nothing_fits(budget_bytes, candidates)
         return self._result(best, budget_bytes, candidates)
@@ -162,12 +185,37 @@ class Planner:
         return [self._candidate(label, modes, budget_bytes, is_uniform=True) for label, modes in self._uniforms()
                 if best is None or totals(modes, self.measurements)[1] * accumulation < best.recompute_flops]
 
-    def _candidate(self, label: str, modes: tuple[Mode, ...], budget_bytes: int, *, is_uniform: bool) -> Candidate:
+    def _offloaded_candidates(self, best: Candidate | None, budget_bytes: int, everything: bool) -> list[Candidate]:
+        """The `OFFLOADED` policies (on a GPU) whose recompute alone takes less time than ``best`` (all of them with
+        ``everything``), each priced by the estimate, with its host<->device copies."""
+        if self.settings.target != "cuda":
+            return []  # on the CPU the offload copies nothing and saves nothing
+        assert self.flops_per_second is not None
+        out = []
+        for label, mode in OFFLOADED:
+            modes = uniform(self.measurements, mode)
+            if all(m == "none" for m in modes):
+                continue
+            flops = totals(modes, self.measurements)[1] * self.settings.grad_accumulation
+            if everything or best is None or flops / self.flops_per_second < self._seconds(best):
+                out.append(self._candidate(label, modes, budget_bytes, is_uniform=True, offload=True))
+        return out
+
+    def _seconds(self, candidate: Candidate) -> float:
+        assert self.flops_per_second is not None
+        return candidate.seconds(self.flops_per_second, self.host_bandwidth)
+
+    def _candidate(self, label: str, modes: tuple[Mode, ...], budget_bytes: int, *, is_uniform: bool,
+                   offload: bool = False) -> Candidate:
         policy = _uniform_policy(modes) if is_uniform else policy_of(modes)
+        if offload:
+            policy = dataclasses.replace(policy, offload=True)
         estimate = self.estimate(policy)
         flops = totals(modes, self.measurements)[1] * self.settings.grad_accumulation
+        # every offloaded byte goes to the host and comes back, once per micro-batch
+        transfer = 2 * estimate.host_peak_bytes * self.settings.grad_accumulation
         return Candidate(label, policy, modes, estimate.peak_bytes, flops, estimate.peak_bytes <= budget_bytes,
-                         is_uniform)
+                         is_uniform, transfer)
 
     def _result(self, best: Candidate, budget_bytes: int, candidates: list[Candidate]) -> ActivationPlan:
         m = self.measurements
@@ -178,8 +226,16 @@ class Planner:
             cost, none = kind.cost(mode), kind.cost("none")
             blocks.append(BlockChoice(index=index, name=name, kind=kind.name, mode=mode, kept_bytes=cost.kept_bytes,
                                       saved_bytes=none.kept_bytes - cost.kept_bytes,
-                                      recompute_flops=cost.recompute_flops))
-        notes = ["offloading what a block keeps is not chosen: the estimate does not model host offload yet"]
+                                      recompute_flops=cost.recompute_flops,
+                                      offload=best.policy.offload and mode != "none"))
+        notes = []
+        if self.settings.target == "cuda":
+            notes.append(f"offloaded policies are timed with their host<->device copies at "
+                         f"{self.host_bandwidth / 1e9:g} GB/s, not overlapped with compute")
+        moe_note = moe_selective_note(best.modes, m)
+        if moe_note is not None:
+            logger.warning("planner: %s", moe_note)
+            notes.append(moe_note)
         if self.settings.grad_accumulation > 1:
             notes.append(f"FLOPs are per optimizer step ({self.settings.grad_accumulation} micro-batches); bytes "
                          "per micro-batch")
@@ -188,7 +244,8 @@ class Planner:
             policy=best.policy, budget_bytes=budget_bytes, peak_bytes=best.peak_bytes,
             recompute_flops=best.recompute_flops, step_flops=m.step_flops * self.settings.grad_accumulation,
             flops_per_second=self.flops_per_second, target=self.settings.target, blocks=tuple(blocks),
-            candidates=tuple(candidates), notes=tuple(notes),
+            candidates=tuple(candidates), notes=tuple(notes), transfer_bytes=best.transfer_bytes,
+            host_bandwidth=self.host_bandwidth,
         )
 
     def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate]) -> ConfigError:

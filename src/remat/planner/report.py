@@ -111,6 +111,13 @@ def plot_plans(frontier: Sequence[Candidate], answers: Sequence[BudgetAnswer], p
     ax.set_ylabel("predicted peak (GiB)")
     ax.set_title("remat plan: memory against recompute")
     ax.legend(fontsize=8, loc="upper right")
+    return save_figure(fig, ax, path)
+
+
+def save_figure(fig: Any, ax: Any, path: str | Path) -> Path:
+    """Grid ``ax``, write ``fig`` as a PNG at ``path`` (folders made as needed) and close it."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

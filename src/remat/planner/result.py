@@ -20,8 +20,8 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class BlockChoice:
-    """What the plan gives one block: ``mode`` (``offload`` of what it keeps is not chosen by this planner yet:
-    always False), ``kept_bytes`` it holds for backward per micro-batch, ``saved_bytes`` less than without
+    """What the plan gives one block: ``mode`` (and ``offload``: what it keeps goes to host memory),
+    ``kept_bytes`` it holds for backward per micro-batch (on the device, or in host memory when offloaded), ``saved_bytes`` less than without
     checkpointing, ``recompute_flops`` its backward recomputes per micro-batch."""
 
     index: int
@@ -37,7 +37,9 @@ class BlockChoice:
 @dataclass(frozen=True)
 class Candidate:
     """One policy the planner priced: ``peak_bytes`` by the estimate, ``recompute_flops`` per optimizer step.
-    ``uniform`` marks the one-mode-for-all policies (none / attention / mlp / selective / full / full every N)."""
+    ``uniform`` marks the one-mode-for-all policies (none / attention / mlp / selective / full / full every N, and
+    their offloaded variants); ``transfer_bytes`` is what an offloading policy copies between host and device per
+    optimizer step (out and back)."""
 
     label: str
     policy: CheckpointPolicy
@@ -46,12 +48,19 @@ class Candidate:
     recompute_flops: int
     fits: bool
     uniform: bool
+    transfer_bytes: int = 0
+
+    def seconds(self, flops_per_second: float, host_bandwidth: float) -> float:
+        """Predicted extra time per optimizer step: the recompute at ``flops_per_second`` plus the host<->device
+        copies at ``host_bandwidth`` bytes/s (taken as not overlapping the compute)."""
+        return self.recompute_flops / flops_per_second + self.transfer_bytes / host_bandwidth
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return {"label": self.label, "policy": self.policy.to_dict(), "modes": list(self.modes),
                 "peak_bytes": self.peak_bytes, "peak_gib": round(self.peak_bytes / GIB, 3),
-                "recompute_flops": self.recompute_flops, "fits": self.fits, "uniform": self.uniform}
+                "recompute_flops": self.recompute_flops, "transfer_bytes": self.transfer_bytes, "fits": self.fits,
+                "uniform": self.uniform}
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,15 @@ class ActivationPlan:
     blocks: tuple[BlockChoice, ...]
     candidates: tuple[Candidate, ...] = ()
     notes: tuple[str, ...] = ()
+    transfer_bytes: int = 0
+    """Host<->device copies of the chosen policy per optimizer step (0 unless it offloads)."""
+    host_bandwidth: float = 0.0
+    """The host<->device bandwidth (bytes/s) ``transfer_seconds`` prices them at."""
+
+    @property
+    def transfer_seconds(self) -> float:
+        """Predicted time of the host<->device copies per optimizer step (0 without offload)."""
+        return self.transfer_bytes / self.host_bandwidth if self.transfer_bytes else 0.0
 
     @property
     def checkpoint_policy(self) -> CheckpointPolicy:
@@ -104,6 +122,8 @@ class ActivationPlan:
             "overhead": round(self.overhead, 4),
             "recompute_seconds": self.recompute_seconds,
             "flops_per_second": self.flops_per_second,
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_seconds": self.transfer_seconds,
             "target": self.target,
             "blocks": [asdict(block) for block in self.blocks],
             "candidates": [candidate.to_dict() for candidate in self.candidates],
@@ -116,10 +136,12 @@ class ActivationPlan:
 
     def summary(self) -> str:
         """One line: policy, predicted peak against the budget, and the recompute overhead."""
+        transfers = (f"; host<->device copies {self.transfer_bytes / 1e9:.2f} GB (~{self.transfer_seconds:.3f} s at "
+                     f"{self.host_bandwidth / 1e9:g} GB/s)" if self.transfer_bytes else "")
         return (f"{self.policy.describe()}: predicted peak {self.peak_bytes / GIB:.2f} GiB of "
                 f"{self.budget_bytes / GIB:.2f} GiB budget; recompute {self.recompute_flops / 1e12:.2f} TFLOP "
                 f"(+{100 * self.overhead:.1f}% of the step, ~{self.recompute_seconds:.3f} s at "
-                f"{self.flops_per_second / 1e12:g} TFLOP/s)")
+                f"{self.flops_per_second / 1e12:g} TFLOP/s){transfers}")
 
     def table(self, *, candidates: bool = True) -> str:
         """The per-block choices (consecutive blocks with the same choice on one row), then, with ``candidates``,

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     ConfigDict,
     Field,
+    NonNegativeInt,
     PlainSerializer,
     PlainValidator,
     PositiveFloat,
@@ -145,7 +146,7 @@ class TrainingConfig(StrictModel):
     max_nonfinite_steps: PositiveInt = 3
 
 
-PLANNER_KEYS: tuple[str, ...] = ("memory_budget",)
+PLANNER_KEYS: tuple[str, ...] = ("memory_budget", "max_replans", "planner_calibration")
 """``distributed`` keys read by the planner (`remat.planner`, above the recipe), not by ``DistributedSetup.build``."""
 
 
@@ -170,6 +171,11 @@ class DistributedConfig(StrictModel):
     device: Literal[DEVICE_CHOICES] = "auto"  # type: ignore[valid-type]
     activation_checkpointing: TypedPolicy = Field(default_factory=lambda: parse_policy(False))
     memory_budget: PositiveInt | PositiveFloat | str | None = None
+    max_replans: NonNegativeInt = 3
+    """With ``auto``: how many times a run may re-plan when a step's peak exceeds ``memory_budget`` or raises an
+    out-of-memory error (the step is retried each time; `remat.recipes.replan`); 0 turns re-planning off."""
+    planner_calibration: str | None = None
+    """A JSON file of `remat profile --write-calibration`: the measured throughput the planner prices recompute at."""
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
     cp_size: PositiveInt = 1

@@ -44,7 +44,8 @@ from remat.recipes.resume_changes import plan_resume
 from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
-from remat.recipes.step import autocast, step_label_tokens, train_step
+from remat.recipes.replan import Replanner, StepRetry
+from remat.recipes.step import StepOutcome, autocast, step_label_tokens, train_step
 from remat.recipes.training_state import state_store, store_for_saved
 from remat.recipes.training_state.history import check_saved_step, keep_newer_checkpoints
 from remat.recipes.training_state.layout import remove_stale_work_dirs, step_directories
@@ -82,9 +83,13 @@ class RunResult:
 class FinetuneRecipe:
     """A fine-tuning run built from a validated ``RecipeConfig``."""
 
-    def __init__(self, cfg: RecipeConfig, *, callbacks: list[StepCallback] | None = None) -> None:
+    def __init__(self, cfg: RecipeConfig, *, callbacks: list[StepCallback] | None = None,
+                 replanner: Replanner | None = None) -> None:
+        """``replanner`` (given by `remat finetune` for ``activation_checkpointing: auto``) turns on the run-time
+        watch: a step over ``distributed.memory_budget`` is re-planned and retried (`remat.recipes.replan`)."""
         self.cfg = cfg
         self.callbacks: list[StepCallback] = list(callbacks or [])
+        self.replanner = replanner
         self._stop_reason: str | None = None
         self._stop_signal: int | None = None
         _, self.grad_accumulation = check_parallel_layout(cfg, ProcessEnv.from_environ().world_size)
@@ -131,6 +136,9 @@ class FinetuneRecipe:
             rank=self.dist.dp_rank, world_size=self.dist.dp_size,
         )
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
+        self.retry = (StepRetry(self.replanner, max_replans=cfg.distributed.max_replans, setup=self.dist,
+                                model=self.model, meter=self.memory_meter, optimizer=self.optimizer)
+                      if self.replanner is not None else None)
         self.step = 0
         self.data_fingerprint = dataset_fingerprint(self.train_data)
         self.resume_notes: list[str] = []
@@ -176,6 +184,9 @@ class FinetuneRecipe:
         self.step = check_saved_step(path, state["step"])
         self.batches.load_state_dict(changes.data_state(state["data"], self.batches))
         self.resume_notes = changes.apply(self.optimizer, self.lr_scheduler, self.step)
+        if self.retry is not None and "replan" in state:
+            note = self.retry.load_state_dict(state["replan"])
+            self.resume_notes += [note] if note is not None else []
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -198,6 +209,8 @@ class FinetuneRecipe:
                                attempt=self.attempt)
         with reporter, _stop_on_signals(self._on_signal):
             self._report_setup(reporter)
+            if self.retry is not None:
+                self.retry.log = reporter.info
             if self.step >= max_steps:
                 reporter.info(f"nothing to do: {self.resumed_from} is already at step {self.step} >= max_steps "
                               f"{max_steps}; raise step_scheduler.max_steps or use a new output_dir to train more")
@@ -294,10 +307,16 @@ class FinetuneRecipe:
         start = time.perf_counter()
         micro_batches = [self._to_device(next(self.batches)) for _ in range(self.grad_accumulation)]
         label_tokens = step_label_tokens(micro_batches, self.dist)
-        with self.memory_meter.step():
-            outcome = train_step(self.compute_loss, list(self.model.parameters()), self.optimizer, micro_batches,
-                                 setup=self.dist, label_tokens=label_tokens, autocast_dtype=self.cfg.model.autocast,
-                                 max_norm=self.cfg.clip_grad_norm.max_norm, lr_scheduler=self.lr_scheduler)
+        retry = self.retry
+
+        def attempt() -> StepOutcome:
+            with self.memory_meter.step():
+                return train_step(self.compute_loss, list(self.model.parameters()), self.optimizer, micro_batches,
+                                  setup=self.dist, label_tokens=label_tokens, autocast_dtype=self.cfg.model.autocast,
+                                  max_norm=self.cfg.clip_grad_norm.max_norm, lr_scheduler=self.lr_scheduler,
+                                  **({"mark": retry.mark} if retry is not None else {}))
+
+        outcome = retry.attempt(self.step + 1, attempt) if retry is not None else attempt()
         self.step += 1
         global_loss = self.dist.sum_over_dp([float(outcome.loss)])[0]
         reading = max_over_ranks(self.memory_meter.last)
@@ -336,6 +355,8 @@ class FinetuneRecipe:
         train_state = {"step": self.step, "epoch": self.batches.epoch, "data": self.batches.state_dict(),
                        "config": self.cfg.model_dump(mode="json", by_alias=True),
                        "data_fingerprint": self.data_fingerprint}
+        if self.retry is not None:
+            train_state["replan"] = self.retry.state_dict()
         arguments: dict[str, Any] = {
             "model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
             "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,

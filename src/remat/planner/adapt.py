@@ -1,0 +1,194 @@
+"""`PlanAdapter`: plans ``auto`` again during a run, from what a step measured (the `remat.recipes.replan.Replanner`
+that `remat finetune` hands the recipe).
+
+The plan's prediction was off by what the step measured: ``error = measured - predicted``, both the peak of
+forward and backward (the part checkpointing changes; the prediction is the estimate's highest phase peak outside
+the optimizer update). The new plan is chosen for a planning budget that leaves room for that error however it
+scales: ``min(budget - error, budget * predicted / measured)``, i.e. the correction that assumes the estimate is
+off by a constant and the one that assumes it is off by a factor, whichever asks for more (in the first step, before
+the optimizer state exists, the prediction is taken without that state). After an out-of-memory
+error nothing was measured: the planning budget becomes `OOM_SHRINK` less than the failed plan's prediction.
+Either way the planning budget is below the failed plan's predicted peak, so the new plan keeps less.
+
+The `Planner` (block measurements on fake tensors, a few seconds) is built on the first re-plan only: a run that
+fits never pays for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import torch.distributed as dist
+
+from remat.checkpointing import CheckpointPolicy, parse_policy
+from remat.errors import ConfigError
+from remat.estimate.api import MemoryEstimate
+from remat.planner.api import _POLICY_KEY, default_target, planner_for_recipe, recipe_budget
+from remat.planner.planner import Planner
+from remat.recipes.config import RecipeConfig
+from remat.recipes.loader import apply_overrides, validate_recipe
+from remat.recipes.replan import UPDATE_PHASE, Overshoot, Replan, size
+
+logger = logging.getLogger(__name__)
+
+OOM_SHRINK: Final[float] = 0.10
+"""After an out-of-memory error, the next plan is planned for this share less than the failed plan's prediction."""
+
+
+class PlanAdapter:
+    """Re-plans for ``budget_bytes`` (per rank) starting from ``policy`` (the plan applied at start).
+
+    ``make_planner`` builds the `Planner` of the run's step (`remat.planner.api.planner_for_recipe`); it is called
+    once, on the first re-plan (or when a resumed run needs a description). ``child``: the recipe (validated, JSON
+    types) and world size to plan in a child process when this process has joined a process group (the estimate
+    simulates fsdp2 in a process group of its own, which a process can have only one of); see `plan_in_child`.
+    """
+
+    def __init__(self, make_planner: Callable[[], Planner], *, budget_bytes: int, policy: CheckpointPolicy,
+                 child: tuple[dict[str, Any], int] | None = None) -> None:
+        self._make_planner = make_planner
+        self._planner: Planner | None = None
+        self._budget = budget_bytes
+        self._child = child
+        self.policy = policy
+        self.planning_budget = budget_bytes
+        self.predicted_peak: int | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget every step must fit (the recipe's ``distributed.memory_budget``, in bytes)."""
+        return self._budget
+
+    @property
+    def planner(self) -> Planner:
+        """The run's `Planner` (built on first use)."""
+        if self._planner is None:
+            self._planner = self._make_planner()
+        return self._planner
+
+    @property
+    def _in_child(self) -> bool:
+        return self._child is not None and dist.is_available() and dist.is_initialized()
+
+    def describe(self) -> str:
+        """The policy in force and its predicted peak."""
+        if self.predicted_peak is None and not self._in_child:
+            self.predicted_peak = self.planner.estimate(self.policy).peak_bytes
+        known = f" (predicted peak {size(self.predicted_peak)})" if self.predicted_peak is not None else ""
+        return self.policy.describe() + known
+
+    def replan(self, overshoot: Overshoot) -> Replan:
+        """The plan for the corrected planning budget (module docstring); `ConfigError` when nothing fits it."""
+        if self._in_child:
+            assert self._child is not None
+            replan, state = plan_in_child(*self._child, self.state_dict(), overshoot)
+            self.load_state_dict(state)
+            return replan
+        estimate = self.planner.estimate(self.policy)
+        predicted = forward_backward_peak(estimate)
+        if overshoot.first_update:  # the estimate is of a later step, whose peak holds the optimizer state
+            predicted -= estimate.breakdown.get("optimizer_state", 0)
+        if overshoot.peak_bytes is not None:
+            measured = overshoot.peak_bytes
+            planning = min(self._budget - (measured - predicted), self._budget * predicted // max(measured, 1))
+        else:
+            planning = int(min(self.planning_budget, estimate.peak_bytes) * (1 - OOM_SHRINK))
+        planning = max(1, min(planning, estimate.peak_bytes - 1))
+        old = self.describe()
+        try:
+            plan = self.planner.plan(planning)
+        except ConfigError as err:
+            raise ConfigError(f"no plan fits the corrected planning budget {size(planning)} (the budget "
+                              f"{size(self._budget)} less the prediction's error): {err}") from err
+        self.policy, self.planning_budget, self.predicted_peak = plan.policy, planning, plan.peak_bytes
+        return Replan(policy=plan.policy, old=old, new=f"{self.describe()} planned for {size(planning)}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy in force, its predicted peak and the planning budget it was chosen for (JSON types)."""
+        return {"policy": self.policy.to_dict(), "planning_budget": self.planning_budget,
+                "budget_bytes": self._budget, "predicted_peak_bytes": self.predicted_peak}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> CheckpointPolicy | None:
+        """Take a saved re-planned policy back when it was re-planned for this same budget; returns it when it
+        differs from the policy in force, else None. A checkpoint of another budget is not taken (the run plans
+        anew for its own)."""
+        if "policy" not in state or state.get("budget_bytes") != self._budget:
+            return None
+        policy = parse_policy(state["policy"], key="train_state.replan.planner.policy")
+        self.planning_budget = int(state.get("planning_budget", self._budget))
+        self.predicted_peak = state.get("predicted_peak_bytes")
+        if policy == self.policy:
+            return None
+        self.policy = policy
+        return policy
+
+
+def adapter_for_recipe(cfg: RecipeConfig, *, world_size: int = 1) -> PlanAdapter:
+    """The `PlanAdapter` of a recipe whose ``auto`` was resolved into ``cfg``'s policy (the policy applied at
+    start), for ``distributed.memory_budget`` on ``world_size`` processes, as `load_planned_recipe` planned it."""
+    data = cfg.model_dump(mode="json", by_alias=True)
+    probe = validate_recipe(apply_overrides(data, [(_POLICY_KEY, "none")]))
+    target = default_target(cfg.distributed.device)
+    options = {"world_size": world_size} if world_size > 1 and probe.distributed.strategy != "single" else {}
+    return PlanAdapter(lambda: planner_for_recipe(probe, target=target, **options),
+                       budget_bytes=recipe_budget(probe, None, target), policy=cfg.distributed.activation_checkpointing,
+                       child=(data, world_size))
+
+
+#: Variables torchrun sets for its workers: a planning child process must not take itself for one.
+_LAUNCH_VARIABLES: Final[tuple[str, ...]] = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                             "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any],
+                  overshoot: Overshoot) -> tuple[Replan, dict[str, Any]]:
+    """`PlanAdapter.replan` run by ``python -m remat.planner.adapt`` in a child process without a process group
+    (with this process's import path): returns the re-plan and the adapter's new state; `ConfigError` with the
+    child's message when it finds no plan, `RuntimeError` with its output when it fails otherwise."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    request = json.dumps({"recipe": recipe, "world_size": world_size, "state": state,
+                          "overshoot": dataclasses.asdict(overshoot)})
+    proc = subprocess.run([sys.executable, "-m", "remat.planner.adapt"], input=request, capture_output=True,
+                          text=True, env=env, check=False)
+    lines = proc.stdout.strip().splitlines()
+    answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    if answer is None:
+        raise RuntimeError(f"re-planning in a child process failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    if "error" in answer:
+        raise ConfigError(answer["error"])
+    replan = answer["replan"]
+    return (Replan(policy=parse_policy(replan["policy"]), old=replan["old"], new=replan["new"]), answer["state"])
+
+
+def _child_main() -> None:
+    """The child of `plan_in_child`: one JSON request on stdin, one JSON answer as the last line of stdout."""
+    request = json.loads(sys.stdin.read())
+    cfg = validate_recipe(request["recipe"])
+    adapter = adapter_for_recipe(cfg, world_size=request["world_size"])
+    adapter.load_state_dict(request["state"])
+    try:
+        replan = adapter.replan(Overshoot(**request["overshoot"]))
+    except ConfigError as err:
+        print(json.dumps({"error": str(err)}))
+        return
+    print(json.dumps({"replan": {"policy": replan.policy.to_dict(), "old": replan.old, "new": replan.new},
+                      "state": adapter.state_dict()}))
+
+
+def forward_backward_peak(estimate: MemoryEstimate) -> int:
+    """The estimate's highest peak before the optimizer update (forward, loss, backward of every micro-batch); its
+    whole-step peak when it has no phases."""
+    peaks = [peak for phase, peak in estimate.phase_peaks.items() if not phase.startswith(UPDATE_PHASE)]
+    return max(peaks) if peaks else estimate.peak_bytes
+
+
+if __name__ == "__main__":
+    _child_main()

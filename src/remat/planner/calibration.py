@@ -1,0 +1,155 @@
+"""The device throughput the planner prices recompute at, measured by `remat profile` and read back by `remat plan
+--calibration PATH` and a recipe's ``distributed.planner_calibration``.
+
+The planner predicts a plan's recompute time as its counted recompute FLOPs divided by ``flops_per_second``
+(`remat.planner.planner.DEFAULT_FLOPS_PER_SECOND` without a calibration). `fit_flops_per_second` fits that number
+from real steps: each profiled setting's median step time minus the un-checkpointed one (``none``) is the time its
+recompute took, and the FLOP counter gives what it recomputed on the same step; the least-squares line through the
+origin, extra seconds = recompute FLOPs / throughput, gives the throughput (``method: recompute-fit``). It is what
+recompute really costs on the device, memory-bound element-wise ops included (they count zero FLOPs but take time).
+When the step times are too noisy for a positive slope (tiny models on a busy CPU), the whole un-checkpointed step's
+counted FLOPs over its median time is used instead and said so (``method: whole-step``).
+
+This module loads neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from remat.errors import ConfigError
+
+METHODS: Final[tuple[str, ...]] = ("recompute-fit", "whole-step")
+TARGETS: Final[tuple[str, ...]] = ("cuda", "cpu")
+_REQUIRED: Final[tuple[str, ...]] = ("device", "target", "torch_version", "flops_per_second", "date", "method")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A measured throughput: ``flops_per_second`` on ``device`` (``target`` cuda or cpu) with ``torch_version``,
+    measured on ``date`` (ISO) by ``method`` (one of `METHODS`); ``details``: the samples it was fitted from."""
+
+    device: str
+    target: str
+    torch_version: str
+    flops_per_second: float
+    date: str
+    method: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line: throughput, device, method and date."""
+        return (f"{self.flops_per_second / 1e12:.3g} TFLOP/s on {self.device} (torch {self.torch_version}, "
+                f"{self.method}, {self.date})")
+
+
+@dataclass(frozen=True)
+class TimingSample:
+    """One profiled setting for the fit: its median step time and the FLOPs its step counted (all micro-batches)."""
+
+    label: str
+    median_step_s: float
+    step_flops: int
+
+
+def fit_flops_per_second(samples: Sequence[TimingSample], *, baseline: str = "none") -> tuple[float, str,
+                                                                                                dict[str, Any]]:
+    """(flops_per_second, method, details) from profiled settings, ``baseline`` (no checkpointing) among them; see
+    the module docstring. Raises `ConfigError` without the baseline or with a baseline that counted no FLOPs."""
+    base = next((s for s in samples if s.label == baseline), None)
+    if base is None:
+        raise ConfigError(f"--write-calibration: needs {baseline!r} among --policies (the step without recompute that "
+                          "the others' extra time is measured against)")
+    if base.step_flops <= 0 or base.median_step_s <= 0:
+        raise ConfigError(f"--write-calibration: the {baseline!r} step counted {base.step_flops} FLOPs in "
+                          f"{base.median_step_s} s; nothing to fit")
+    points = [{"label": s.label, "recompute_flops": s.step_flops - base.step_flops,
+               "extra_s": round(s.median_step_s - base.median_step_s, 6)}
+              for s in samples if s is not base and s.step_flops > base.step_flops]
+    whole_step = base.step_flops / base.median_step_s
+    details: dict[str, Any] = {"baseline": baseline, "baseline_step_s": base.median_step_s,
+                               "baseline_step_flops": base.step_flops, "whole_step_flops_per_second": whole_step,
+                               "points": points}
+    numerator = sum(p["recompute_flops"] * p["extra_s"] for p in points)
+    denominator = sum(p["recompute_flops"] ** 2 for p in points)
+    if numerator > 0 and denominator > 0:
+        fitted = denominator / numerator  # extra_s = flops / fps, least squares through the origin in 1/fps
+        details["recompute_fit_flops_per_second"] = fitted
+        return fitted, "recompute-fit", details
+    details["note"] = ("no setting recomputed FLOPs in measurably more time than the baseline (noisy or too few "
+                       "steps): the whole un-checkpointed step's FLOPs over its median time are used instead")
+    return whole_step, "whole-step", details
+
+
+def make_calibration(samples: Sequence[TimingSample], *, device: str, target: str, torch_version: str,
+                     baseline: str = "none") -> Calibration:
+    """A `Calibration` fitted from ``samples`` (see `fit_flops_per_second`), dated now (UTC)."""
+    fps, method, details = fit_flops_per_second(samples, baseline=baseline)
+    return Calibration(device=device, target=target, torch_version=torch_version, flops_per_second=fps,
+                       date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), method=method,
+                       details=details)
+
+
+def write_calibration(calibration: Calibration, path: str | Path) -> Path:
+    """Write ``calibration`` as JSON to ``path`` (folders made as needed)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(calibration.to_dict(), indent=2) + "\n")
+    return out
+
+
+def read_calibration(path: str | Path, *, key: str = "--calibration") -> Calibration:
+    """The calibration in ``path``; `ConfigError` naming ``key`` for a missing, unreadable or malformed file."""
+    where = f"{key}: {str(path)!r}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist; write one with `remat profile RECIPE --write-calibration "
+                          f"{path}`") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{where} cannot be read ({err})") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} is not JSON ({err}); expected what `remat profile --write-calibration` "
+                          "writes") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} holds a {type(data).__name__}; expected a JSON object with keys "
+                          f"{', '.join(_REQUIRED)}")
+    missing = [name for name in _REQUIRED if name not in data]
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)}; expected the keys {', '.join(_REQUIRED)} (as "
+                          "`remat profile --write-calibration` writes)")
+    fps = data["flops_per_second"]
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        raise ConfigError(f"{where}: flops_per_second is {fps!r}; allowed: a finite number > 0")
+    if data["target"] not in TARGETS:
+        raise ConfigError(f"{where}: target is {data['target']!r}; allowed: {', '.join(TARGETS)}")
+    if data["method"] not in METHODS:
+        raise ConfigError(f"{where}: method is {data['method']!r}; allowed: {', '.join(METHODS)}")
+    for name in ("device", "torch_version", "date"):
+        if not isinstance(data[name], str):
+            raise ConfigError(f"{where}: {name} is {data[name]!r}; allowed: a string")
+    details = data.get("details", {})
+    return Calibration(device=data["device"], target=data["target"], torch_version=data["torch_version"],
+                       flops_per_second=float(fps), date=data["date"], method=data["method"],
+                       details=details if isinstance(details, dict) else {})
+
+
+def calibrated_flops_per_second(path: str | Path, target: str, *, key: str) -> float:
+    """The throughput in the calibration at ``path`` for planning on ``target``; `ConfigError` naming ``key`` when
+    the file is malformed or was measured on the other target (a CPU's throughput says nothing of a GPU's)."""
+    calibration = read_calibration(path, key=key)
+    if calibration.target != target:
+        raise ConfigError(f"{key}: {str(path)!r} was measured on {calibration.target} ({calibration.device}) but "
+                          f"this plan is for {target}; profile on the {target} (remat profile --write-calibration) "
+                          "or drop the calibration")
+    return calibration.flops_per_second

@@ -1,0 +1,250 @@
+"""Run-time adaptation of ``activation_checkpointing: auto``: watch each step against the memory budget, and when a
+step goes over it (or raises an out-of-memory error) re-plan, swap the checkpointing in place and retry that step.
+
+The recipe sits below the planner, so the planning itself comes in as a `Replanner` (`remat.planner.adapt` makes
+one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
+
+- **Watched**: the peak of the step's forward and backward passes (every micro-batch), read from the step's memory
+  meter (CUDA allocator, or the exact tensor tracker on the CPU) just before the optimizer update, and agreed over
+  the ranks (the maximum). Checkpointing changes only that part of the step: the optimizer update's own memory
+  (parameters, gradients, optimizer state) is the same under every plan.
+- **Over budget** (or `torch.OutOfMemoryError` before the optimizer update, single process): the update is not
+  applied (the step raises `StepOverBudget` before it), gradients are dropped, caches emptied on CUDA; the
+  replanner gives a new policy; `DistributedSetup.replace_checkpointing` swaps it in; the RNG states are put back
+  and the step runs again on the same micro-batches. The optimizer state, the learning-rate schedule and the data
+  position were never advanced by the failed attempt. One log line says the old and new plans and why.
+- **Bounded**: at most ``distributed.max_replans`` re-plans in a run, then `MemoryBudgetError` saying what the last
+  plan needed and what would help.
+
+An out-of-memory error in the optimizer update itself, or on one of several ranks (whose collectives can no longer
+be matched), is not retried: it is raised as it is.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from remat.checkpointing import CheckpointPolicy
+from remat.distributed import DistributedSetup
+from remat.errors import MemoryBudgetError, RematError
+from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
+from remat.recipes.training_state.layout import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger(__name__)
+
+GIB: Final[int] = 2**30
+UPDATE_PHASE: Final[str] = "optimizer step"
+"""The phase `remat.recipes.step.train_step` marks before clipping and the update: where the watch looks."""
+OUT_OF_MEMORY: Final[tuple[type[BaseException], ...]] = (
+    getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
+"""What counts as an out-of-memory error (``torch.OutOfMemoryError``; tests raise it on the CPU)."""
+
+T = TypeVar("T")
+
+
+def size(nbytes: int) -> str:
+    """Bytes for the log: ``12.34 GiB``, or ``5.12 MiB`` below 1 GiB (small models on the CPU)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
+
+
+class StepOverBudget(Exception):
+    """Raised inside a step, before the optimizer update, when its forward+backward peak (the maximum over the
+    ranks) exceeds the budget; the recipe catches it and retries the step."""
+
+    def __init__(self, peak_bytes: int, budget_bytes: int) -> None:
+        super().__init__(f"peak {size(peak_bytes)} over the budget {size(budget_bytes)}")
+        self.peak_bytes = peak_bytes
+
+
+@dataclass(frozen=True)
+class Overshoot:
+    """Why a step is retried: its measured forward+backward ``peak_bytes`` (max over ranks) over ``budget_bytes``,
+    or (``peak_bytes`` None) an out-of-memory ``error``. ``step`` is the step's number (1 = the first);
+    ``first_update``: the optimizer had no state yet (its first update: the peak held no optimizer state)."""
+
+    step: int
+    budget_bytes: int
+    peak_bytes: int | None = None
+    error: str | None = None
+    first_update: bool = False
+
+    @property
+    def reason(self) -> str:
+        """In words, for the log line and errors."""
+        if self.peak_bytes is not None:
+            return f"the step's peak {size(self.peak_bytes)} exceeded the budget {size(self.budget_bytes)}"
+        return f"out of memory ({self.error or 'no message'})"
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A replanner's answer: the ``policy`` to apply, and the old and new plans in words."""
+
+    policy: CheckpointPolicy
+    old: str
+    new: str
+
+
+class Replanner(Protocol):
+    """Plans again from what a step measured (`remat.planner.adapt.PlanAdapter`)."""
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget a step's peak must stay within, in bytes (per rank)."""
+        ...
+
+    def describe(self) -> str:
+        """The plan in force, in words (its policy and predicted peak)."""
+        ...
+
+    def replan(self, overshoot: Overshoot) -> Replan:
+        """A plan predicted to fit after correcting the prediction by ``overshoot``; raises `RematError` when
+        nothing can."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep to resume with the re-planned policy (JSON types)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> CheckpointPolicy | None:
+        """Take the saved state back; returns the policy to apply when it differs from the one planned at start."""
+        ...
+
+
+class StepRetry:
+    """Runs a training step under the watch: `attempt` retries a step until it fits or the bound is reached.
+
+    ``log`` receives the one line per re-plan (`FinetuneRecipe` points it at its reporter); ``replans`` counts
+    the re-plans of this run (kept across resumes through `state_dict`).
+    """
+
+    def __init__(self, replanner: Replanner, *, max_replans: int, setup: DistributedSetup, model: nn.Module,
+                 meter: StepMemoryMeter, optimizer: torch.optim.Optimizer) -> None:
+        self.replanner = replanner
+        self.max_replans = max_replans
+        self.setup = setup
+        self.model = model
+        self.meter = meter
+        self.optimizer = optimizer
+        self.log: Callable[[str], None] = logger.info
+        self.replans = 0
+        self._phase: str | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget each step is held to."""
+        return self.replanner.budget_bytes
+
+    def mark(self, label: str) -> None:
+        """`train_step`'s phase marks: passed on to the meter; before the update the watch decides."""
+        self._phase = label
+        self.meter.mark(label)
+        if label != UPDATE_PHASE:
+            return
+        local = MemoryReading(peak_bytes=self.meter.peak_so_far(), source=self.meter.source)
+        peak = max_over_ranks(local).peak_bytes if self.setup.is_distributed else local.peak_bytes
+        if peak > self.budget_bytes:
+            raise StepOverBudget(peak, self.budget_bytes)
+
+    def attempt(self, step: int, run_step: Callable[[], T]) -> T:
+        """``run_step()`` (one training step, calling `mark`), retried after a re-plan while it goes over the
+        budget or runs out of memory before its update; ``step`` is its number, for the log."""
+        rng = capture_rng_state()
+        first_update = not self.optimizer.state
+        while True:
+            self._phase = None
+            try:
+                return run_step()
+            except StepOverBudget as over:
+                overshoot = Overshoot(step, self.budget_bytes, peak_bytes=over.peak_bytes, first_update=first_update)
+            except OUT_OF_MEMORY as err:
+                if self._phase == UPDATE_PHASE or self.setup.is_distributed:
+                    raise  # the update may be half applied, or the other ranks wait in a collective
+                overshoot = Overshoot(step, self.budget_bytes, error=str(err).splitlines()[0] if str(err) else None,
+                                      first_update=first_update)
+            self._free()
+            self._replan(overshoot)
+            restore_rng_state(rng)
+
+    def _free(self) -> None:
+        """Drop what the failed attempt left: gradients, unreachable activations, CUDA's cached blocks."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def _replan(self, overshoot: Overshoot) -> None:
+        if self.replans >= self.max_replans:
+            raise self._exhausted(overshoot)
+        replan = self._agreed_replan(overshoot)
+        self.setup.replace_checkpointing(self.model, replan.policy)
+        self.replans += 1
+        self.log(f"re-plan {self.replans}/{self.max_replans} at step {overshoot.step}: {overshoot.reason}; "
+                 f"activation checkpointing {replan.old} -> {replan.new}; retrying step {overshoot.step}")
+
+    def _agreed_replan(self, overshoot: Overshoot) -> Replan:
+        """The replanner's answer; with several ranks, rank 0's, broadcast (every rank swaps in the same policy and
+        takes over the replanner's state), and its error raised on every rank."""
+        failure: str | None = None
+        replan: Replan | None = None
+        if not self.setup.is_distributed or self.setup.rank == 0:
+            try:
+                replan = self.replanner.replan(overshoot)
+            except RematError as err:
+                if not self.setup.is_distributed:
+                    raise MemoryBudgetError(self._failed(overshoot, err)) from err
+                failure = str(err)
+            except Exception as err:  # a bug: the other ranks must not wait for rank 0 forever
+                if not self.setup.is_distributed:
+                    raise
+                failure = f"{type(err).__name__} on rank 0: {err}"
+        if not self.setup.is_distributed:
+            assert replan is not None
+            return replan
+        payload: list[Any] = [(replan, self.replanner.state_dict() if replan is not None else None, failure)]
+        dist.broadcast_object_list(payload, src=0)
+        replan, state, failure = payload[0]
+        if replan is None:
+            raise MemoryBudgetError(self._failed(overshoot, failure))
+        if self.setup.rank != 0:
+            self.replanner.load_state_dict(state)
+        return replan
+
+    @staticmethod
+    def _failed(overshoot: Overshoot, error: object) -> str:
+        return f"re-planning at step {overshoot.step} after {overshoot.reason}: {error}"
+
+    def _exhausted(self, overshoot: Overshoot) -> MemoryBudgetError:
+        done = (f"after {self.replans} re-plan(s) (distributed.max_replans: {self.max_replans})" if self.max_replans
+                else "and re-planning is off (distributed.max_replans: 0)")
+        return MemoryBudgetError(
+            f"distributed.memory_budget: step {overshoot.step} does not fit {size(self.budget_bytes)} "
+            f"{done}: {overshoot.reason} under the last plan, {self.replanner.describe()}. What would help: a larger "
+            "distributed.memory_budget if the device has room; a smaller micro-batch "
+            "(step_scheduler.local_batch_size); the fused loss (loss_fn._target_: remat.loss.FusedLinearCrossEntropy);"
+            " FSDP or more ranks (distributed.strategy: fsdp2); or more re-plans (distributed.max_replans)")
+
+    # --- checkpoints -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """For ``train_state.json``: the replans done and the replanner's state (the policy in force)."""
+        return {"replans": self.replans, "planner": self.replanner.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> str | None:
+        """Resume with the saved re-planned policy (applied in place) and count; returns a note for the log, or
+        None when the checkpoint's run had not re-planned."""
+        self.replans = int(state.get("replans", 0))
+        policy = self.replanner.load_state_dict(state.get("planner", {}))
+        if policy is None:
+            return None
+        self.setup.replace_checkpointing(self.model, policy)
+        return (f"activation checkpointing: resumed with the plan re-planned at run time ({self.replans} re-plan(s) "
+                f"so far): {self.replanner.describe()}")

@@ -1,0 +1,60 @@
+"""``distributed.activation_checkpointing: auto`` on 2 CPU ranks (gloo, torchrun): the memory budget is per rank.
+Under torchrun every rank resolves ``auto`` itself before training (world size from the environment); the planner
+is deterministic, so every rank logs the same plan, and the tracked peak of every rank (the run's ``mem_bytes`` is
+the maximum over the ranks) stays within the budget while using the room it gives (above full checkpointing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from remat.checkpointing import CheckpointPolicy
+
+SMALL = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                                            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}}
+
+
+def _recipe(tmp_path: Path, strategy: str) -> Path:
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "run"), "model": SMALL, "tokenizer": {"vocab_size": 512},
+        "dataset": {"seq_length": 128}, "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2,
+                                                           "max_steps": 2},
+        "checkpoint": {"enabled": False},
+        "logging": {"progress": "plain", "metrics_file": "m.jsonl", "memory": "tracked"},
+        "distributed": {"device": "cpu", "strategy": strategy, "activation_checkpointing": "auto"},
+    }))
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_every_rank_plans_the_same_and_stays_within_the_per_rank_budget(tmp_path: Path, remat_cache: Path,
+                                                                         strategy: str) -> None:
+    from remat.planner import planner_for_recipe
+    from remat.planner.api import recipe_for_planning
+    from remat.recipes.loader import load_recipe_data
+
+    path = _recipe(tmp_path, strategy)
+    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(path)), world_size=2)
+    none, full = (planner.estimate(CheckpointPolicy(mode=mode)).peak_bytes for mode in ("none", "full"))
+    budget = full + (none - full) // 3
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "remat.cli", "--log-level", "INFO", "finetune", str(path), "--distributed.memory_budget", str(budget)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    plans = re.findall(r"activation checkpointing 'auto' planned for .*?\n(.*?)(?:\n\S*\[remat\]|\Z)", output, re.S)
+    assert len(plans) == 2 and plans[0] == plans[1], plans  # each rank planned, the same plan
+    records = [json.loads(line) for line in (tmp_path / "run" / "m.jsonl").read_text().splitlines()]
+    steps = [r["mem_bytes"] for r in records if "mem_bytes" in r]
+    # every step within the budget; the second (the optimizer state exists) above what full checkpointing needs
+    assert len(steps) == 2 and all(peak <= budget for peak in steps) and steps[1] > full, (steps, full, budget)
