@@ -158,6 +158,26 @@ def test_a_curve_that_is_not_affine_falls_back_to_bisection(tiny: object, monkey
     assert asked[:6] == [4096, 5120, 6144, 8192, 10240, 12288]  # the window, then the doubled window
 
 
+def test_math_attention_goes_to_bisection_at_once_and_says_why(tiny: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.estimate import sampling
+
+    asked: list[int] = []
+
+    def fake(model: object, settings: object, seq_length: int) -> PeakSample:
+        asked.append(seq_length)
+        peak = 100 * MiB + 16 * seq_length * seq_length  # the math kernel's [T, T] scores
+        return PeakSample(seq_length, peak, "backward", {"backward": peak}, 0.0, {"math": 16})
+
+    monkeypatch.setattr(sampling, "sample_peak", fake)
+    capacity = 2048 * MiB
+    (answer,) = find_longest(tiny, [("fp32", StepSettings(target="cpu"))], capacity, window_start=4096,
+                             granularity=512)
+    assert answer.method == "bisection"
+    assert answer.seq_length == max(n for n in range(512, 200_000, 512) if 100 * MiB + 16 * n * n <= capacity)
+    assert asked[3:6] != [8192, 10240, 12288]  # no doubled window: a longer one is no straighter
+    assert any("math kernel" in note and "--dtype" in note for note in answer.notes)
+
+
 def test_an_answer_below_the_window_is_sampled_again_below_it(tiny: object, monkeypatch: pytest.MonkeyPatch) -> None:
     asked = _fake_curve(monkeypatch, lambda n: 50 * MiB + 4096 * n)
     (answer,) = find_longest(tiny, [("steep", StepSettings(target="cpu"))], 100 * MiB, window_start=32768)

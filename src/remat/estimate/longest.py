@@ -205,6 +205,10 @@ def _search(sampler: PeakSampler, search: _Search, capacity: int, confirm: bool)
             worst = max(lines, key=lambda ln: ln.deviation_bytes / _tolerance(ln.at(samples[0].seq_length)))
             search.notes.append(f"samples at {_lengths(search.window)} tokens are not collinear (phase {worst.phase}: "
                                 f"{worst.deviation_bytes / 2**20:.0f} MiB off the line)")
+            quadratic = _quadratic_attention(samples)
+            if quadratic is not None:  # a longer window is no straighter: search the estimates themselves
+                search.notes.append(quadratic)
+                return _bisection(sampler, search, capacity, samples, lines)
             if search.moves == 0 and 2 * search.window[0] <= search.limit:
                 search.moves += 1
                 search.window = tuple(2 * n for n in search.window)
@@ -336,6 +340,17 @@ def _answer(search: _Search, capacity: int, seq_length: int, method: Method, lin
         binding_phase=phase, lines=tuple(lines), samples=tuple(samples), direct=_sorted(direct or {}),
         collinear=collinear, at_limit=at_limit, reason=reason, notes=tuple(notes),
         seconds=sum(s.seconds for s in (*samples, *(direct or {}).values())))
+
+
+def _quadratic_attention(samples: Sequence[PeakSample]) -> str | None:
+    """Why the peak cannot be a line in the length when attention ran PyTorch's math kernel (it materialises the
+    ``[seq, seq]`` scores), else None."""
+    if not any(sample.attention_kernels.get("math") for sample in samples):
+        return None
+    return ("attention runs PyTorch's math kernel at these settings (e.g. float32 with grouped-query heads, or an "
+            "explicit mask): its [seq, seq] scores grow with the square of the length, so the answer comes from "
+            "bisection over direct estimates; bfloat16 or float16 (--dtype, --autocast) gets the flash kernel, "
+            "whose memory is linear")
 
 
 def _sorted(samples: dict[int, PeakSample]) -> tuple[PeakSample, ...]:

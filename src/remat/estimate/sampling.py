@@ -13,7 +13,7 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from remat.errors import RematError
@@ -30,6 +30,8 @@ class PeakSample:
     phase: str
     phase_peaks: dict[str, int]
     seconds: float
+    attention_kernels: dict[str, int] = field(default_factory=dict)
+    """Calls per CUDA attention kernel the step ran (`remat.estimate.attention`; empty on the CPU target)."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping (bytes as integers)."""
@@ -48,7 +50,8 @@ def sample_peak(model: ModelConfig, settings: StepSettings, seq_length: int) -> 
     trace = simulate_step(settings.to_recipe(model), settings.run())
     steady = replay(trace.events, trace.marks, kind="cuda" if settings.target == "cuda" else "exact",
                     steady_state=True)
-    return PeakSample(seq_length, steady.peak_bytes, steady.phase, dict(steady.phase_peaks), trace.seconds)
+    return PeakSample(seq_length, steady.peak_bytes, steady.phase, dict(steady.phase_peaks), trace.seconds,
+                      dict(trace.attention_kernels))
 
 
 def _outcome(run: Callable[[], PeakSample]) -> PeakSample | RematError:
