@@ -20,6 +20,9 @@ from pathlib import Path
 PROC = Path("/proc")
 #: Environment variable set to a new value for every test; each process the test starts inherits it.
 TEST_MARK = "REMAT_TEST_MARK"
+#: Helpers that the test process starts once and keeps for the rest of the session (``mp.spawn`` starts the
+#: resource tracker): they carry the mark of the test that first needed them, but are not that test's leftovers.
+SESSION_HELPERS = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
 
 
 def descendants(pid: int) -> list[int]:
@@ -67,7 +70,8 @@ def run_bounded(command: Sequence[str], *, timeout: float, cwd: Path | str | Non
 
 
 def marked_processes(value: str) -> dict[int, str]:
-    """pid -> command line of every process (but this one) whose environment has ``TEST_MARK=value``."""
+    """pid -> command line of every process (but this one and the `SESSION_HELPERS`) whose environment has
+    ``TEST_MARK=value``."""
     wanted = f"{TEST_MARK}={value}".encode()
     found: dict[int, str] = {}
     for entry in PROC.iterdir():
@@ -76,9 +80,11 @@ def marked_processes(value: str) -> dict[int, str]:
         try:
             if wanted not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone meanwhile, or not ours to read
             continue
+        if not any(helper in command for helper in SESSION_HELPERS):
+            found[int(entry.name)] = command
     return found
 
 
