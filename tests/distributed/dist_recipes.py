@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -71,15 +69,11 @@ def tiny_recipe(output_dir: Path, *, strategy: str = "single", checkpointing: An
 
 
 def leave_process_group() -> NoReturn:
-    """End a worker whose report is written: leave the process group, flush, and exit at once (``os._exit(0)``).
-
-    After the last collective, gloo's worker thread can still be releasing it when Python shuts down; freeing its
-    tensors then takes the GIL during finalization and the process aborts ("terminate called without an active
-    exception", SIGABRT), which torchrun reports as a failed run (1 in 12 tries with a barrier first, 2 in 12 without:
-    ``benchmarks/gloo_exit_abort.py``). Skipping Python's teardown leaves no such moment."""
+    """End a worker whose report is written: leave the process group and exit at once (`remat.distributed.exit`:
+    gloo's worker thread can otherwise abort Python's teardown, and torchrun reports the run as failed)."""
     import torch.distributed as dist
 
+    from remat.distributed.exit import exit_now
+
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
