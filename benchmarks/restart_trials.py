@@ -2,10 +2,12 @@
 
 Each try launches ``python -m remat.cli finetune <tiny recipe> --nproc-per-node 2 --max-restarts 1`` (a 2-layer,
 hidden-64 Llama on 2 CPU ranks, gloo, a checkpoint every ``--ckpt-every`` steps, every checkpoint kept), waits until
-step ``k`` (random) is in the metrics file, sleeps a random moment, sends SIGKILL to one worker (random rank), and
-waits for the launcher. A try passes when the launcher exits 0, rank 0 printed ``resumed from ... step_S``, the
-metrics reach ``max_steps``, the last checkpoint is ``step_<max_steps>``, and every checkpoint that was complete at
-the moment of the kill is still complete at the end. ``--launcher torchrun`` starts ``python -m
+step ``k`` (random) is in the metrics file, sleeps a random moment, stops both workers (SIGSTOP), lists the complete
+checkpoints, sends SIGKILL to one worker (random rank), lets the other go on (SIGCONT), and waits for the launcher.
+A try passes when the launcher exits 0, rank 0 printed ``resumed from ... step_S``, the metrics reach
+``max_steps``, the last checkpoint is ``step_<max_steps>``, every checkpoint that was complete at the kill is still
+complete at the end, and the resume is from the newest of them or a newer one (rank 0, the one that writes, may
+still publish a save it was making when its peer was killed). ``--launcher torchrun`` starts ``python -m
 torch.distributed.run --standalone ... -m remat.cli finetune`` instead (plain torchrun, no remat launcher).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/restart_trials.py --tries 20 \
@@ -135,11 +137,17 @@ def run_trial(index: int, workdir: Path, settings: TrialSettings, rng: random.Ra
             time.sleep(delay)
             workers = _workers(proc.pid)
             if proc.poll() is None and len(workers) == 2:
-                at_kill = [p.name for p in list_checkpoints(ckpt_root)]
-                step_at_kill = _last_step(metrics)
-                killed_rank = victim_rank
-                os.kill(workers[victim_rank], signal.SIGKILL)
-                killed_at = time.monotonic()
+                # Both workers hold still while the checkpoints are listed, so the listing is what the kill finds
+                # (a save published between a listing and the kill made the resume look newer than "at the kill").
+                _signal(workers, signal.SIGSTOP)
+                try:
+                    at_kill = [p.name for p in list_checkpoints(ckpt_root)]
+                    step_at_kill = _last_step(metrics)
+                    killed_rank = victim_rank
+                    os.kill(workers[victim_rank], signal.SIGKILL)
+                    killed_at = time.monotonic()
+                finally:
+                    _signal(workers, signal.SIGCONT)
             else:
                 problems.append(f"no kill: the launcher {'ended' if proc.poll() is not None else 'had'} "
                                 f"{len(workers)} workers at step {_last_step(metrics)}")
@@ -165,6 +173,9 @@ def run_trial(index: int, workdir: Path, settings: TrialSettings, rng: random.Ra
         problems.append(f"exit code {proc.returncode}")
     if killed_rank is not None and resumed is None:
         problems.append("no 'resumed from' line after the kill")
+    newest_at_kill = max((int(name.rsplit("_", 1)[1]) for name in at_kill), default=0)
+    if resumed is not None and resumed < newest_at_kill:
+        problems.append(f"resumed from step {resumed}, older than step_{newest_at_kill} (complete at the kill)")
     if final != settings.max_steps:
         problems.append(f"metrics end at step {final}, not {settings.max_steps}")
     remaining = {p.name for p in list_checkpoints(ckpt_root)}
@@ -214,6 +225,13 @@ def _workers(launcher_pid: int) -> list[int]:
         if b"LOCAL_RANK" in variables:
             ranks[int(variables[b"LOCAL_RANK"])] = pid
     return [ranks[rank] for rank in sorted(ranks)]
+
+
+def _signal(pids: list[int], signum: int) -> None:
+    """Send `signum` to each of `pids` that still exists."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _resumed_step(text: str) -> int | None:

@@ -19,7 +19,7 @@ def _probe(module: str, **env: str) -> str:
     clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     clean["PYTHONPATH"] = SRC + os.pathsep + clean.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", PROBE.format(module=module)], env={**clean, **env},
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, timeout=120)
     return out.stdout.strip()
 
 
@@ -47,7 +47,8 @@ def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     probe = ("import atexit, sys; atexit.register(lambda: print('heavy:', sorted(m for m in ('torch', 'transformers') "
              "if m in sys.modules), file=sys.stderr)); from remat.cli import main; raise SystemExit(main(sys.argv[1:]))")
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", probe, *args], env=env, cwd=cwd, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", probe, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
 
 
 @pytest.mark.parametrize("args", [("--help",), ("finetune", "--help"), ("estimate", "--help"), ("report", "--help"),

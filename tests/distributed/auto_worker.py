@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_recipes import leave_process_group
 
 #: name -> (strategy, source, activation checkpointing). "checkpoint" is the local directory the test saved.
 CASES: dict[str, tuple[str, str, Any]] = {
@@ -71,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(1)
     report = {name: run_case(*case, checkpoint) for name, case in CASES.items()}
     (out / f"auto_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from processes import run_bounded
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
@@ -28,9 +29,10 @@ def remat_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def run_torchrun(args: Sequence[str], *, cwd: Path | None = None, nproc: int = 2,
                  timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node N ARGS``; fails the test with the output."""
+    """``python -m torch.distributed.run --standalone --nproc-per-node N ARGS``; fails the test with the output
+    (after ``timeout`` seconds too, with the launcher and its workers ended)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=dict(os.environ))
+    proc = run_bounded(command, timeout=timeout, cwd=cwd, env=os.environ)
     assert proc.returncode == 0, f"{' '.join(command)} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     return proc
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 TINY_MODEL = {"preset": "tiny-llama",
               "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -66,3 +66,14 @@ def tiny_recipe(output_dir: Path, *, strategy: str = "single", checkpointing: An
     for name, value in sections.items():
         recipe[name] = {**recipe[name], **value} if isinstance(recipe.get(name), dict) else value
     return recipe
+
+
+def leave_process_group() -> NoReturn:
+    """End a worker whose report is written: leave the process group and exit at once (`remat.distributed.exit`:
+    gloo's worker thread can otherwise abort Python's teardown, and torchrun reports the run as failed)."""
+    import torch.distributed as dist
+
+    from remat.distributed.exit import exit_now
+
+    dist.destroy_process_group()
+    exit_now(0)

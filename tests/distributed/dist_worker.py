@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_recipes import PARITY_CASES, tiny_recipe
+from dist_recipes import PARITY_CASES, leave_process_group, tiny_recipe
 
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
@@ -220,7 +220,7 @@ def main() -> None:
     torch.set_num_threads(1)
     report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

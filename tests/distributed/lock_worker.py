@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_recipes import tiny_recipe
+from dist_recipes import leave_process_group, tiny_recipe
 from remat.errors import ConfigError
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
@@ -35,7 +35,7 @@ def main() -> None:
     result = job.run()
     report.update(final_step=result.final_step, attempt=job.attempt)
     (out / f"lock_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    job.dist.close()
+    leave_process_group()
 
 
 if __name__ == "__main__":

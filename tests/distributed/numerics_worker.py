@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_recipes import tiny_recipe
+from dist_recipes import leave_process_group, tiny_recipe
 
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
@@ -56,7 +56,7 @@ def main() -> None:
     report = {name: nan_loss_on_rank_1_at_step_3(out / name, strategy, fused)
               for name, strategy, fused in (("fsdp2-fused", "fsdp2", True), ("ddp", "ddp", False))}
     (out / f"numerics_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

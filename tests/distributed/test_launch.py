@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_bounded
 
 from remat.cli import build_parser, main
 from remat.distributed.launch import LaunchOptions, check_launch_environment, share_store_off
@@ -86,7 +86,7 @@ def test_fsdp2_example_runs_on_two_processes(tmp_path: Path, remat_cache: Path) 
                "--validation_dataset.seq_length", "64", "--model.config", "{num_hidden_layers: 2}",
                "--step_scheduler.max_steps", "3", "--step_scheduler.val_every_steps", "3",
                "--step_scheduler.ckpt_every_steps", "2", "--logging.progress", "plain"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ))
+    proc = run_bounded(command, timeout=600, cwd=tmp_path, env=os.environ)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     # Only rank 0 prints: one line per step, one setup report.

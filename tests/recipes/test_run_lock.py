@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import run_bounded
 
 import remat
 from remat.errors import ConfigError
@@ -94,8 +95,8 @@ def test_the_cli_refuses_a_second_run_in_one_line(tmp_path: Path, holders: list[
     holders.append(Holder(Path(recipe["output_dir"])))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(remat.__file__).parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "remat.cli", "finetune", str(tmp_path / "recipe.yaml"), *launch],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = run_bounded([sys.executable, "-m", "remat.cli", "finetune", str(tmp_path / "recipe.yaml"), *launch],
+                       env=env, timeout=300)
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()

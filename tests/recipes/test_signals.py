@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ def test_signal_saves_and_exits_with_128_plus_signal(sig: signal.Signals, tmp_pa
     env_cache = {"REMAT_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "-m", "remat.cli", "finetune", str(path)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | env_cache)
+    limit = threading.Timer(300, proc.kill)  # reading its lines has no time limit of its own
+    limit.start()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -37,6 +40,7 @@ def test_signal_saves_and_exits_with_128_plus_signal(sig: signal.Signals, tmp_pa
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=300)
     finally:
+        limit.cancel()
         proc.kill()
     assert proc.returncode == 128 + sig, err
     assert f"received {sig.name}: stopping after the current step and saving a checkpoint" in err

@@ -110,6 +110,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         recipe.dist.barrier()
     finally:
         recipe.dist.close()
+    if process.world_size > 1:  # a rank could still abort in Python's teardown: see remat.distributed.exit
+        from remat.distributed.exit import exit_now
+
+        exit_now(result.exit_code)
     return result.exit_code
 
 
