@@ -55,7 +55,7 @@ def test_choose_keeps_the_plain_loss_when_the_fused_loss_is_not_faster() -> None
     plan = plan_activation_checkpointing(LLAMA, memory_budget="2GiB", target="cpu", loss_choice="choose", **shape)
     assert plan.loss == "plain" and plan.policy == CheckpointPolicy(mode="none") and plan.recompute_flops == 0
     note = next(note for note in plan.notes if "loss chosen by the planner" in note)
-    assert f"fused: {(flops['fused'] - flops['plain']) / plan.flops_per_second:.4g} s predicted" in note
+    assert note.endswith(f"plain: 0 s; fused: {(flops['fused'] - flops['plain']) / plan.flops_per_second:.4g} s")
     kept = plan_activation_checkpointing(LLAMA, memory_budget="2GiB", target="cpu", **shape)
     assert kept.loss == "plain" and kept.policy == plan.policy and not any("loss chosen" in n for n in kept.notes)
 

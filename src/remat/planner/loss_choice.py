@@ -150,11 +150,11 @@ class LossChooser:
 
         best = min(plans, key=rank)
         others = "; ".join(
-            f"{p.loss}: {rank(p)[0]:.4g} s predicted" for p in plans if p is not best
+            f"{p.loss}: {rank(p)[0]:.4g} s" for p in plans if p is not best
         ) or "; ".join(f"{loss}: nothing fits" for loss in errors)
-        note = (f"loss chosen by the planner ({_KEY}: choose): {best.loss} ({LOSS_TARGETS[best.loss]}), "
-                f"{rank(best)[0]:.4g} s of recompute, copies and loss FLOPs beyond the plain loss's predicted "
-                f"(other: {others})")
+        note = (f"loss chosen by the planner ({_KEY}: choose): {best.loss} ({LOSS_TARGETS[best.loss]}); predicted "
+                f"extra time (recompute, host copies, loss FLOPs beyond the plain loss's): {best.loss}: "
+                f"{rank(best)[0]:.4g} s; {others}")
         return dataclasses.replace(best, notes=(*best.notes, note))
 
 
