@@ -195,7 +195,9 @@ def _planned_recipe(path: str, overrides: list[str], options: Any) -> tuple[Any,
         return cfg, overrides
     logger.info("activation checkpointing 'auto' planned for %.2f GiB:\n%s", plan.budget_bytes / 2**30,
                 plan.table(candidates=False))
-    return cfg, [*overrides, "--distributed.activation_checkpointing", json.dumps(plan.policy.to_dict())]
+    chosen = ["--loss_fn", json.dumps(cfg.loss_fn.model_dump(mode="json", by_alias=True))]  # planner_loss: choose
+    return cfg, [*overrides, "--distributed.activation_checkpointing", json.dumps(plan.policy.to_dict()),
+                 *(chosen if cfg.distributed.planner_loss == "choose" else [])]
 
 
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:

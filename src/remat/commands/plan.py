@@ -49,26 +49,35 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--calibration", metavar="PATH",
                         help="price recompute at the throughput measured by `remat profile --write-calibration PATH` "
                              "(default: the recipe's distributed.planner_calibration, else the default above)")
+    parser.add_argument("--loss-choice", choices=("keep", "choose"),
+                        help="choose: plan for the plain and the fused loss and keep the faster plan that fits (its "
+                             "note names the loss); keep: the recipe's loss (default: the recipe's "
+                             "distributed.planner_loss, else keep)")
     parser.add_argument("--json", metavar="PATH", help="write the frontier and every budget's plan as JSON")
     parser.add_argument("--png", metavar="PATH", help="write a chart of predicted peak against recompute")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.errors import ConfigError
-    from remat.planner.api import planner_for_recipe, recipe_budget, recipe_for_planning
+    from remat.planner.api import loss_chooser_for_recipe, planner_for_recipe, recipe_budget, recipe_for_planning
     from remat.planner.report import BudgetAnswer, plot_plans, report_dict, report_text
     from remat.recipes.loader import load_recipe_data
 
     cfg = recipe_for_planning(load_recipe_data(args.recipe, overrides))
     target = args.target or ("cpu" if cfg.distributed.device == "cpu" else "cuda")
     budgets = [recipe_budget(cfg, budget, target) for budget in (args.budget or [None])]
-    options = {"world_size": args.world_size} if args.world_size else {}
-    planner = planner_for_recipe(cfg, target=target, flops_per_second=_flops_per_second(args, target), **options)
+    options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}
+    options["flops_per_second"] = _flops_per_second(args, target)
+    if (args.loss_choice or cfg.distributed.planner_loss) == "choose":
+        chooser = loss_chooser_for_recipe(cfg, target=target, **options)
+        planner = chooser.planner(chooser.own_loss)
+    else:
+        chooser = planner = planner_for_recipe(cfg, target=target, **options)
     frontier = planner.uniform_candidates(max(budgets))
     answers = []
     for budget in budgets:
         try:
-            answers.append(BudgetAnswer(budget, planner.plan(budget, all_candidates=True)))
+            answers.append(BudgetAnswer(budget, chooser.plan(budget, all_candidates=True)))
         except ConfigError as err:
             answers.append(BudgetAnswer(budget, None, str(err)))
     print(report_text(planner, frontier, answers))

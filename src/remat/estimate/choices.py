@@ -14,3 +14,8 @@ LOSS_TARGETS: Final[dict[str, str]] = {
     "fused": "remat.loss.FusedLinearCrossEntropy",
 }
 """Short names for the two remat losses; any loss target a recipe allows may be given by its dotted path."""
+
+
+def short_loss(target: str) -> str:
+    """``plain`` / ``fused`` for the two remat losses (by name or target), anything else as given."""
+    return {t: name for name, t in LOSS_TARGETS.items()}.get(target, target)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from remat.estimate.api import ModelLike, resolve_model, settings_from_recipe
 from remat.estimate.settings import StepSettings
 from remat.planner.budget import BudgetLike, parse_budget
 from remat.planner.calibration import calibrated_flops_per_second
+from remat.planner.loss_choice import LossChooser, check_loss_choice, recipe_loss_fn
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.recipes.config import RecipeConfig
@@ -34,6 +36,7 @@ def plan_activation_checkpointing(
     target: str | None = None,
     flops_per_second: float | None = None,
     all_candidates: bool = False,
+    loss_choice: str = "keep",
     **settings: Any,
 ) -> ActivationPlan:
     """The per-layer checkpointing plan with the least predicted recompute whose predicted step peak fits
@@ -47,20 +50,30 @@ def plan_activation_checkpointing(
     ``world_size=8``, ``autocast="bfloat16"``). ``memory_budget``: bytes, a size (``"40GiB"``), a fraction of the
     GPU's memory, or None for the GPU's memory minus a margin (a budget is required for the CPU). ``target``:
     ``"cuda"`` or ``"cpu"`` (default: cuda when a GPU is visible). ``all_candidates`` prices every uniform policy
-    for ``plan.candidates`` (by default only those that could beat the chosen plan).
+    for ``plan.candidates`` (by default only those that could beat the chosen plan). ``loss_choice="choose"``
+    plans for the plain and the fused loss and returns the faster plan that fits (``plan.loss`` names it;
+    `remat.planner.loss_choice`); ``"keep"`` plans for the loss given (``loss=``, default plain).
     """
+    check_loss_choice(loss_choice)
     settings.update(_batch_shape(example_batch))
     if isinstance(model_or_recipe, (str, Path)) and Path(model_or_recipe).suffix in (".yaml", ".yml"):
         model_or_recipe = recipe_for_planning(load_recipe_data(model_or_recipe))
     if isinstance(model_or_recipe, RecipeConfig):
         return plan_recipe(model_or_recipe, budget=memory_budget, target=target, flops_per_second=flops_per_second,
-                           all_candidates=all_candidates, **settings)
+                           all_candidates=all_candidates, loss_choice=loss_choice, **settings)
     if isinstance(model_or_recipe, nn.Module):
         settings.setdefault("dtype", _dtype_name(model_or_recipe))
         model_or_recipe = model_or_recipe.config
     step = StepSettings(target=target or default_target("auto"), **settings)  # type: ignore[arg-type]
     budget = parse_budget(memory_budget, device_bytes=device_bytes(step.target), key="memory_budget")
-    return Planner(resolve_model(model_or_recipe), step, flops_per_second).plan(budget, all_candidates=all_candidates)
+    model = resolve_model(model_or_recipe)
+    if loss_choice == "choose":
+        chooser = LossChooser(lambda loss, kwargs: Planner(model, dataclasses.replace(step, loss=loss,
+                                                                                      loss_kwargs=kwargs),
+                                                           flops_per_second),
+                              step.loss, step.loss_kwargs)
+        return chooser.plan(budget, all_candidates=all_candidates)
+    return Planner(model, step, flops_per_second).plan(budget, all_candidates=all_candidates)
 
 
 def load_planned_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = (), *,
@@ -73,19 +86,33 @@ def load_planned_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tu
         return validate_recipe(data), None
     probe = recipe_for_planning(data)
     options = {"world_size": world_size} if world_size and probe.distributed.strategy != "single" else {}
-    plan = plan_recipe(probe, **options)
+    plan = plan_recipe(probe, loss_choice=probe.distributed.planner_loss, **options)
     resolved = apply_overrides(data, [(_POLICY_KEY, plan.policy.to_dict())])
+    if probe.distributed.planner_loss == "choose":
+        loss_fn = recipe_loss_fn(probe.loss_fn.target, probe.loss_fn.kwargs, plan.loss)
+        resolved = {**resolved, "loss_fn": loss_fn}
     return validate_recipe(resolved), plan
 
 
 def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | None = None,
-                flops_per_second: float | None = None, all_candidates: bool = False,
+                flops_per_second: float | None = None, all_candidates: bool = False, loss_choice: str = "keep",
                 **settings: Any) -> ActivationPlan:
     """The plan for the step ``cfg`` trains (its policy ignored) under ``budget`` (default: the recipe's
-    ``distributed.memory_budget``)."""
+    ``distributed.memory_budget``); ``loss_choice="choose"`` also chooses the loss (`loss_chooser_for_recipe`)."""
     target = target or default_target(cfg.distributed.device)
-    planner = planner_for_recipe(cfg, target=target, flops_per_second=flops_per_second, **settings)
+    if check_loss_choice(loss_choice) == "choose":
+        planner: Planner | LossChooser = loss_chooser_for_recipe(cfg, target=target,
+                                                                 flops_per_second=flops_per_second, **settings)
+    else:
+        planner = planner_for_recipe(cfg, target=target, flops_per_second=flops_per_second, **settings)
     return planner.plan(recipe_budget(cfg, budget, target), all_candidates=all_candidates)
+
+
+def loss_chooser_for_recipe(cfg: RecipeConfig, **options: Any) -> LossChooser:
+    """A `LossChooser` for the step ``cfg`` trains: `planner_for_recipe` with the plain and with the fused loss
+    (``options`` as there), the recipe's loss arguments carried over."""
+    return LossChooser(lambda loss, kwargs: planner_for_recipe(cfg, **options, loss=loss, loss_kwargs=kwargs),
+                       cfg.loss_fn.target, cfg.loss_fn.kwargs)
 
 
 def planner_for_recipe(cfg: RecipeConfig, *, target: str | None = None, flops_per_second: float | None = None,

@@ -32,6 +32,7 @@ from remat.checkpointing import CheckpointingWarning, CheckpointPolicy
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
 from remat.estimate.api import MemoryEstimate, estimate_memory
+from remat.estimate.choices import short_loss
 from remat.estimate.settings import LOSS_TARGETS, StepSettings
 from remat.models import ModelConfig
 from remat.planner.advice import moe_selective_note
@@ -245,7 +246,7 @@ class Planner:
             recompute_flops=best.recompute_flops, step_flops=m.step_flops * self.settings.grad_accumulation,
             flops_per_second=self.flops_per_second, target=self.settings.target, blocks=tuple(blocks),
             candidates=tuple(candidates), notes=tuple(notes), transfer_bytes=best.transfer_bytes,
-            host_bandwidth=self.host_bandwidth,
+            host_bandwidth=self.host_bandwidth, loss=short_loss(self.settings.loss),
         )
 
     def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate]) -> ConfigError:

@@ -87,6 +87,9 @@ class ActivationPlan:
     """Host<->device copies of the chosen policy per optimizer step (0 unless it offloads)."""
     host_bandwidth: float = 0.0
     """The host<->device bandwidth (bytes/s) ``transfer_seconds`` prices them at."""
+    loss: str = ""
+    """The loss the plan is for: ``plain`` / ``fused`` (chosen with ``distributed.planner_loss: choose``) or the
+    recipe's ``loss_fn._target_``."""
 
     @property
     def transfer_seconds(self) -> float:
@@ -125,6 +128,7 @@ class ActivationPlan:
             "transfer_bytes": self.transfer_bytes,
             "transfer_seconds": self.transfer_seconds,
             "target": self.target,
+            "loss": self.loss,
             "blocks": [asdict(block) for block in self.blocks],
             "candidates": [candidate.to_dict() for candidate in self.candidates],
             "notes": list(self.notes),

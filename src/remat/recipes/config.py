@@ -146,7 +146,7 @@ class TrainingConfig(StrictModel):
     max_nonfinite_steps: PositiveInt = 3
 
 
-PLANNER_KEYS: tuple[str, ...] = ("memory_budget", "max_replans", "planner_calibration")
+PLANNER_KEYS: tuple[str, ...] = ("memory_budget", "max_replans", "planner_calibration", "planner_loss")
 """``distributed`` keys read by the planner (`remat.planner`, above the recipe), not by ``DistributedSetup.build``."""
 
 
@@ -176,6 +176,9 @@ class DistributedConfig(StrictModel):
     out-of-memory error (the step is retried each time; `remat.recipes.replan`); 0 turns re-planning off."""
     planner_calibration: str | None = None
     """A JSON file of `remat profile --write-calibration`: the measured throughput the planner prices recompute at."""
+    planner_loss: Literal["keep", "choose"] = "keep"
+    """With ``auto``: ``choose`` lets the planner pick the plain or the fused loss (``loss_fn._target_``), the faster
+    plan that fits (`remat.planner.loss_choice`); ``keep`` plans for the recipe's own loss."""
     dp_size: PositiveInt | None = None
     tp_size: PositiveInt = 1
     cp_size: PositiveInt = 1
