@@ -18,7 +18,7 @@ from remat.errors import ConfigError
 from remat.estimate import StepSettings
 from remat.models import ModelConfig
 from remat.planner import Planner, load_planned_recipe, plan_activation_checkpointing
-from remat.planner.loss_choice import carried_loss_kwargs, count_loss_flops
+from remat.planner.loss_choice import NEAR_TIE, carried_loss_kwargs, count_loss_flops
 from remat.recipes.loader import validate_recipe
 
 LLAMA = ModelConfig(preset="tiny-llama")  # 4 blocks, hidden 256, vocabulary 8192: the logits weigh
@@ -58,6 +58,15 @@ def test_choose_keeps_the_plain_loss_when_the_fused_loss_is_not_faster() -> None
     assert note.endswith(f"plain: 0 s; fused: {(flops['fused'] - flops['plain']) / plan.flops_per_second:.4g} s")
     kept = plan_activation_checkpointing(LLAMA, memory_budget="2GiB", target="cpu", **shape)
     assert kept.loss == "plain" and kept.policy == plan.policy and not any("loss chosen" in n for n in kept.notes)
+
+
+def test_a_near_tie_keeps_the_recipes_own_loss() -> None:
+    # float32: the fused loss runs the same matmuls on the labelled tokens only, a sliver fewer FLOPs than plain's
+    flops = {loss: count_loss_flops(StepSettings(target="cpu", loss=loss, **SHAPE), LLAMA) for loss in ("plain", "fused")}
+    assert flops["fused"] < flops["plain"], flops
+    plan = plan_activation_checkpointing(LLAMA, memory_budget="2GiB", target="cpu", loss_choice="choose", **SHAPE)
+    assert (flops["plain"] - flops["fused"]) < NEAR_TIE * plan.step_flops
+    assert plan.loss == "plain" and plan.policy == CheckpointPolicy(mode="none")
 
 
 def test_an_auto_recipe_with_planner_loss_choose_trains_with_the_chosen_loss(

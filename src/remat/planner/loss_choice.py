@@ -8,7 +8,8 @@ loss's at the same throughput. A loss's FLOPs (output projection and cross-entro
 counted once per loss with torch's ``FlopCounterMode`` on fake tensors, as the step runs it: the fused loss that
 recomputes the logits in backward (``grad_strategy: recompute``, which ``auto`` takes for a bf16 weight over several
 token chunks off the CUDA fast path) counts that extra matmul, and it skips the tokens without a label, which the
-plain loss's logits include. Equal times go to the plan with fewer recomputed FLOPs, then to the recipe's own loss.
+plain loss's logits include. The recipe's own loss is kept unless the other is faster by more than `NEAR_TIE` of the
+step's predicted compute time; otherwise equal times go to the plan with fewer recomputed FLOPs.
 The recipe's loss arguments carry over (`carried_loss_kwargs`).
 """
 
@@ -93,6 +94,11 @@ def count_loss_flops(settings: StepSettings, model: Any) -> int:
     return int(counter.get_total_flops())
 
 
+NEAR_TIE = 0.01
+"""The recipe's own loss is kept unless the other's predicted extra time is lower by more than this share of the
+step's predicted compute time (a time model of FLOPs at one throughput cannot tell closer cases apart)."""
+
+
 @dataclass
 class LossChooser:
     """Plans one step for the plain and the fused loss (one `Planner` each, made by ``planner_for(loss, kwargs)``
@@ -149,6 +155,11 @@ class LossChooser:
                     self.losses.index(plan.loss))
 
         best = min(plans, key=rank)
+        own = next((p for p in plans if p.loss == self.own_loss), None)
+        if own is not None and own is not best:  # the recipe's own loss unless the other is faster by a margin
+            step_seconds = best.step_flops / best.flops_per_second
+            if rank(own)[0] - rank(best)[0] <= NEAR_TIE * step_seconds:
+                best = own
         others = "; ".join(
             f"{p.loss}: {rank(p)[0]:.4g} s" for p in plans if p is not best
         ) or "; ".join(f"{loss}: nothing fits" for loss in errors)
