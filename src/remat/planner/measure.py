@@ -290,13 +290,19 @@ def _attention(run: SimulatedRun) -> contextlib.AbstractContextManager[Any]:
     return CudaAttention() if run.target == "cuda" else contextlib.nullcontext()
 
 
+def _query_heads(query: Any, *shapes: Any) -> list[tuple[int, ...]]:
+    """Key/value shapes ``[batch, heads, seq, dim]`` with the query's head count: grouped-query attention does the
+    work of every query head (torch's counters before 2.13 refuse fewer key/value heads)."""
+    return [(shape[0], query[1], *shape[2:]) for shape in shapes]
+
+
 def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(sdpa_flop_count(query, key, value))
+    return int(sdpa_flop_count(query, *_query_heads(query, key, value)))
 
 
 def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
                                   out_shape: Any = None, **kwargs: Any) -> int:
-    return int(sdpa_backward_flop_count(grad_out, query, key, value))
+    return int(sdpa_backward_flop_count(grad_out, query, *_query_heads(query, key, value)))
 
 
 def _grouped_mm_flops(mat_a: Any, mat_b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
