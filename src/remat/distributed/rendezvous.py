@@ -87,7 +87,11 @@ def join_process_group(backend: str, *, rank: int, world_size: int, device_id: t
     except RuntimeError as err:  # DistStoreError, gloo's connectFullMesh, NCCL's init: all RuntimeErrors
         raise DistributedSetupError(setup_failure(rank, world_size, init_timeout_s, str(err))) from err
     collective = timedelta(seconds=timeout_s) if timeout_s is not None else _torch_default_timeout(backend)
-    dist.distributed_c10d._set_pg_timeout(collective)
+    set_timeout = getattr(dist, "set_timeout", None)  # public from torch 2.15, which deprecates the private one
+    if set_timeout is not None:
+        set_timeout(collective)
+    else:
+        dist.distributed_c10d._set_pg_timeout(collective)
 
 
 def setup_failure(rank: int, world_size: int, init_timeout_s: float, cause: str) -> str:

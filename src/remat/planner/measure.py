@@ -296,11 +296,11 @@ def _query_heads(query: Any, *shapes: Any) -> list[tuple[int, ...]]:
     return [(shape[0], query[1], *shape[2:]) for shape in shapes]
 
 
-def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return int(sdpa_flop_count(query, *_query_heads(query, key, value)))
 
 
-def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
+def _attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
                                   out_shape: Any = None, **kwargs: Any) -> int:
     return int(sdpa_backward_flop_count(grad_out, query, *_query_heads(query, key, value)))
 
@@ -319,11 +319,16 @@ def _grouped_mm_flops(mat_a: Any, mat_b: Any, *args: Any, out_shape: Any = None,
 
 
 def _flop_mapping() -> dict[Any, Any]:
-    """Formulas torch's FLOP counter lacks: the CPU attention kernel and its backward, and grouped matmuls."""
-    mapping: dict[Any, Any] = {
-        _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-        _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
-    }
+    """Formulas torch's FLOP counter lacks: the CPU attention kernel and its backward, the CUDA kernels with
+    grouped-query heads (torch before 2.13 refuses them), and grouped matmuls."""
+    mapping: dict[Any, Any] = {}
+    for kernel in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention"):
+        forward = getattr(_aten, f"_scaled_dot_product_{kernel}", None)
+        backward = getattr(_aten, f"_scaled_dot_product_{kernel}_backward", None)
+        if forward is not None:
+            mapping[forward] = _attention_flops
+        if backward is not None:
+            mapping[backward] = _attention_backward_flops
     grouped = getattr(_aten, "_grouped_mm", None)
     if grouped is not None:
         mapping[grouped] = _grouped_mm_flops
@@ -331,5 +336,6 @@ def _flop_mapping() -> dict[Any, Any]:
 
 
 FLOP_FORMULAS: dict[Any, Any] = _flop_mapping()
-"""``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` also counts CPU attention and MoE grouped matmuls."""
+"""``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` also counts CPU attention, grouped-query attention on every
+supported torch, and MoE grouped matmuls."""
 
