@@ -24,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "is_moe_block": "remat.checkpointing.discovery",
     "kv_sharing_role": "remat.checkpointing.discovery",
     "CheckpointingWarning": "remat.checkpointing.plan",
+    "MoESelectiveWarning": "remat.checkpointing.plan",
+    "planned_policy": "remat.checkpointing.plan",
     "CheckpointPlan": "remat.checkpointing.plan",
     "LayerPlan": "remat.checkpointing.plan",
     "MODES": "remat.checkpointing.policy",
@@ -45,6 +47,7 @@ __all__ = [
     "CheckpointingWarning",
     "LayerOverride",
     "LayerPlan",
+    "MoESelectiveWarning",
     "apply_activation_checkpointing",
     "find_attention",
     "find_blocks",
@@ -55,6 +58,7 @@ __all__ = [
     "is_moe_block",
     "kv_sharing_role",
     "parse_policy",
+    "planned_policy",
     "remove_activation_checkpointing",
 ]
 
@@ -73,7 +77,13 @@ if TYPE_CHECKING:
         is_moe_block,
         kv_sharing_role,
     )
-    from remat.checkpointing.plan import CheckpointingWarning, CheckpointPlan, LayerPlan
+    from remat.checkpointing.plan import (
+        CheckpointingWarning,
+        CheckpointPlan,
+        LayerPlan,
+        MoESelectiveWarning,
+        planned_policy,
+    )
     from remat.checkpointing.policy import (
         MODES,
         POLICY_KEYS,

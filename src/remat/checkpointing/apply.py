@@ -17,7 +17,7 @@ from torch import nn
 
 from remat.checkpointing.discovery import find_blocks, find_final_norms
 from remat.checkpointing.hf_native import hf_method
-from remat.checkpointing.plan import CheckpointPlan, LayerPlan
+from remat.checkpointing.plan import CheckpointPlan, LayerPlan, planned_policy
 from remat.checkpointing.policy import PolicyLike, merge_options, parse_policy
 from remat.checkpointing.resolve import resolve_plan
 from remat.checkpointing.segments import Segment
@@ -66,7 +66,8 @@ def apply_activation_checkpointing(
         return CheckpointPlan.empty(parsed, model_class, "policy 'none': nothing wrapped")
     _refuse_double_wrapping(model)
     search = find_blocks(model, parsed.block_pattern)
-    plan = resolve_plan(parsed, search, model_class)
+    with planned_policy(getattr(policy, "checkpoint_policy", None) is not None):  # a planner's plan: its own notes
+        plan = resolve_plan(parsed, search, model_class)
 
     offload = None
     if any(layer.offload for layer in plan.layers):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -12,6 +14,23 @@ from remat.checkpointing.policy import CheckpointPolicy, Mode
 
 class CheckpointingWarning(UserWarning):
     """A checkpointing choice was changed or is likely a poor one (a fallback taken, selective on MoE blocks)."""
+
+
+class MoESelectiveWarning(CheckpointingWarning):
+    """Selective checkpointing was asked for mixture-of-experts blocks, where full is the usual choice."""
+
+
+@contextmanager
+def planned_policy(planned: bool = True) -> Iterator[None]:
+    """While applying a policy the planner chose (``planned``), drop `MoESelectiveWarning`: the planner gave
+    selective to those MoE blocks on measured sizes and said so in its own note, so the generic advice would only
+    contradict it."""
+    if not planned:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MoESelectiveWarning)
+        yield
 
 
 @dataclass(frozen=True)

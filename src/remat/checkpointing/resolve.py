@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from remat.checkpointing.discovery import ATTENTION_NAMES, MLP_NAMES, Block, BlockSearch, find_norms
-from remat.checkpointing.plan import CheckpointingWarning, CheckpointPlan, LayerPlan
+from remat.checkpointing.plan import CheckpointingWarning, CheckpointPlan, LayerPlan, MoESelectiveWarning
 from remat.checkpointing.policy import CheckpointPolicy, Mode, segment_count, split_into_segments
 from remat.errors import CheckpointingError
 
@@ -177,7 +177,7 @@ def _notes(
             "little time saved; full is the usual choice for MoE. Routing is identical on recompute (the router's "
             "topk is saved)"
         )
-        warnings.warn(message, CheckpointingWarning, stacklevel=4)
+        warnings.warn(message, MoESelectiveWarning, stacklevel=4)
         notes.append(message)
     fallbacks = [layer for layer in layers if layer.mode != layer.requested]
     if fallbacks:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from remat.checkpointing import (CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy,
-                                 remove_activation_checkpointing)
+                                 planned_policy, remove_activation_checkpointing)
 from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES, Strategy
 from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
 from remat.distributed.rendezvous import (INIT_TIMEOUT_S, WATCHDOG_GRACE_S, check_timeouts, setup_deadline,
@@ -66,6 +66,9 @@ class DistributedSetup:
     root: nn.Module | None = None
     """The module ``parallelize`` returned (the DDP wrapper, or the FSDP2 root)."""
     owns_process_group: bool = False
+    planned: bool = False
+    """``activation_checkpointing`` is the planner's choice (``auto``): the planner gave its own notes, so the generic
+    advice on selective for MoE blocks is not repeated when the plan is applied."""
 
     @classmethod
     def build(
@@ -165,7 +168,8 @@ class DistributedSetup:
         if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
             model.to(self.device)  # skipped when already there: `Module.to` cannot run on fake parameters
         policy = parse_policy(self.activation_checkpointing, key="distributed.activation_checkpointing")
-        self.plan = apply_activation_checkpointing(model, policy)
+        with planned_policy(self.planned):
+            self.plan = apply_activation_checkpointing(model, policy)
         if self.strategy == "single":
             self.root = top
         elif self.strategy == "ddp":
@@ -182,7 +186,8 @@ class DistributedSetup:
         parsed = parse_policy(policy, key="distributed.activation_checkpointing")
         old_groups = self._groups_of(self.plan, model)
         remove_activation_checkpointing(model)
-        self.plan = apply_activation_checkpointing(model, parsed)
+        with planned_policy(self.planned):
+            self.plan = apply_activation_checkpointing(model, parsed)
         self.activation_checkpointing = parsed
         if self.strategy == "fsdp2" and self._groups_of(self.plan, model) != old_groups:
             raise CheckpointingError(

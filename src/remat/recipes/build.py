@@ -10,6 +10,7 @@ the loss: a loss that consumes hidden states gets the decoder's last hidden stat
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -81,6 +82,9 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.target_modules, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft asks transformers >= 5.2x by its deprecated name; nothing for users
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated",
+                                    category=FutureWarning)
+            return get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"peft: cannot apply LoRA to {type(model).__name__}: {err}") from err
