@@ -12,7 +12,7 @@ far its extrapolation is from direct estimates.
 Results go to benchmarks/results/longest.{json,md}.
 
     nice .venv/bin/python benchmarks/bench_longest.py            # ~10-20 minutes on 2 shared cores
-    .venv/bin/python benchmarks/bench_longest.py --skip-direct   # only the timed command
+    .venv/bin/python benchmarks/bench_longest.py --skip-direct   # only the timed command (3 runs, medians)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,12 +42,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _load() -> float:
+    """The 1-minute load average (/proc/loadavg's first field): how busy the shared machine was."""
+    return round(os.getloadavg()[0], 2)
+
+
 def time_cli() -> dict[str, Any]:
-    """Run the --longest --compare command; its wall and CPU time (children included) and its JSON."""
+    """Run the --longest --compare command once; its wall and CPU time (children included), the load average before
+    and after it, and its JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "longest.json"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        load = os.getloadavg()[0]
+        load = _load()
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "remat.cli", "estimate", *CLI, "--json", str(out)],
                               capture_output=True, text=True, check=True)
@@ -56,8 +63,26 @@ def time_cli() -> dict[str, Any]:
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(done.stdout)
     return {"command": "remat estimate " + " ".join(CLI) + " --json out.json", "wall_seconds": round(wall, 1),
-            "cpu_seconds": round(cpu, 1), "load_average_before": round(load, 2), "output": done.stdout,
-            "answers": answers}
+            "cpu_seconds": round(cpu, 1), "load_average_before": load, "load_average_after": _load(),
+            "output": done.stdout, "answers": answers}
+
+
+def _lengths(answers: list[dict[str, Any]]) -> list[tuple[str, int | None, int | None]]:
+    """Each row's answer and predicted peak (what must not change between runs; the seconds do)."""
+    return [(a["name"], a["longest_seq_length"], a["predicted_peak_bytes"]) for a in answers]
+
+
+def time_cli_runs(repeat: int) -> dict[str, Any]:
+    """`time_cli` ``repeat`` times in a row: the last run's output, every run's times and load, and the medians (the
+    machine is shared: one run says little)."""
+    runs = [time_cli() for _ in range(repeat)]
+    result = dict(runs[-1])
+    result["runs"] = [{k: r[k] for k in ("wall_seconds", "cpu_seconds", "load_average_before", "load_average_after")}
+                      for r in runs]
+    result["wall_seconds"] = round(statistics.median(r["wall_seconds"] for r in runs), 1)
+    result["cpu_seconds"] = round(statistics.median(r["cpu_seconds"] for r in runs), 1)
+    result["same_answers"] = all(_lengths(r["answers"]) == _lengths(runs[0]["answers"]) for r in runs)
+    return result
 
 
 def direct_rows() -> list[dict[str, Any]]:
@@ -108,8 +133,11 @@ def write(cli: dict[str, Any] | None, rows: list[dict[str, Any]], out: Path) -> 
              f"Run on {meta['cpus']} CPU cores ({meta['machine']}), torch {meta['torch']}, {meta['date_utc']} UTC. "
              "All figures are estimates (`remat estimate`), not GPU measurements.", ""]
     if cli:
-        lines += [f"`{cli['command']}`: {cli['wall_seconds']} s wall, {cli['cpu_seconds']} s CPU (processes "
-                  f"included; load average {cli['load_average_before']} on the shared machine before it started)",
+        runs = cli.get("runs", [cli])
+        lines += [f"`{cli['command']}`: median of {len(runs)} run(s) {cli['wall_seconds']} s wall, "
+                  f"{cli['cpu_seconds']} s CPU (processes included); per run wall / CPU / load average before-after: "
+                  + "; ".join(f"{r['wall_seconds']} s / {r['cpu_seconds']} s / {r['load_average_before']}-"
+                              f"{r.get('load_average_after', '?')}" for r in runs),
                   "", "```", cli["output"].rstrip(), "```", ""]
     if rows:
         lines += ["Extrapolated (per-phase lines through the window samples) vs direct estimate:", "",
@@ -129,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--skip-cli", action="store_true", help="skip the timed --longest --compare command")
     parser.add_argument("--skip-direct", action="store_true", help="skip the direct estimates at 256k and 512k")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs of the command (medians reported)")
     args = parser.parse_args(argv)
-    cli = None if args.skip_cli else time_cli()
+    cli = None if args.skip_cli else time_cli_runs(args.repeat)
     rows = [] if args.skip_direct else direct_rows()
     write(cli, rows, Path(args.out))
     print(f"wrote {args.out}/longest.md")
