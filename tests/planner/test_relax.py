@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_replan
 import torch
-from test_replan import _isolated_cache, budget, outcomes, planner, recipe, scaled, train  # noqa: F401  (fixtures)
+from test_replan import outcomes, recipe, scaled, train
 
 from remat.checkpointing import CheckpointPolicy
 from remat.errors import ConfigError
@@ -24,6 +25,9 @@ from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 from remat.recipes.relax import RELAX_MARGIN, RelaxWatch, Stretch
 from remat.recipes.replan import size
+
+# test_replan's fixtures: the true planner of its recipe's step, the budget, an isolated tokenizer cache.
+planner, budget, _isolated_cache = test_replan.planner, test_replan.budget, test_replan._isolated_cache
 
 OVER_PREDICTION = 1.2
 """The conservative first planner: every estimate it sees is this many times the true (exact) peak."""
@@ -164,20 +168,20 @@ def test_the_watch_counts_stable_steps_asks_once_per_plan_and_stops_after_a_rela
     asked: list[Stretch] = []
     answers = [True, False]
     watch = RelaxWatch(3, lambda stretch: asked.append(stretch) or answers.pop(0))
-    budget = 1000
-    watch.after_step(1, 100, budget, first_update=True)  # not counted
+    limit = 1000
+    watch.after_step(1, 100, limit, first_update=True)  # not counted
     for step, peak in [(2, 900), (3, 960), (4, 950)]:  # 960 > 95% of the budget: the stretch starts over
-        watch.after_step(step, peak, budget, first_update=False)
+        watch.after_step(step, peak, limit, first_update=False)
     assert watch.steps == 1 and not asked
-    watch.after_step(5, 940, budget, first_update=False)
-    watch.after_step(6, 920, budget, first_update=False)
-    assert asked == [Stretch(step=6, steps=3, peak_bytes=950, budget_bytes=budget)] and watch.relaxes == 1
+    watch.after_step(5, 940, limit, first_update=False)
+    watch.after_step(6, 920, limit, first_update=False)
+    assert asked == [Stretch(step=6, steps=3, peak_bytes=950, budget_bytes=limit)] and watch.relaxes == 1
     assert watch.relaxed_in_force and watch.steps == 0 and not watch.asked
     for step in range(7, 10):
-        watch.after_step(step, 500, budget, first_update=False)
+        watch.after_step(step, 500, limit, first_update=False)
     assert len(asked) == 2 and watch.asked  # kept: this plan is not asked about again
     for step in range(10, 20):
-        watch.after_step(step, 500, budget, first_update=False)
+        watch.after_step(step, 500, limit, first_update=False)
     assert len(asked) == 2
     saved = json.loads(json.dumps(watch.state_dict()))
     again = RelaxWatch(3, lambda stretch: pytest.fail("asked"))
@@ -186,11 +190,11 @@ def test_the_watch_counts_stable_steps_asks_once_per_plan_and_stops_after_a_rela
     assert watch.after_replan() is True and watch.stopped and not watch.relaxed_in_force
     assert watch.after_replan() is False  # already stopped
     for step in range(20, 30):
-        watch.after_step(step, 500, budget, first_update=False)
+        watch.after_step(step, 500, limit, first_update=False)
     assert len(asked) == 2
     off = RelaxWatch(None, lambda stretch: pytest.fail("asked"))
     for step in range(1, 300):
-        off.after_step(step, 1, budget, first_update=False)
+        off.after_step(step, 1, limit, first_update=False)
 
 
 def test_relax_after_steps_is_a_validated_recipe_key_shown_in_the_help(
