@@ -160,6 +160,10 @@ def test_an_exact_planner_keeps_its_plan_and_a_plan_that_went_over_is_never_chos
     assert forward_backward_peak(planner.estimate(relaxed.plan.policy)) <= relaxed.corrected_peak_bytes
     barred = relaxed_plan(biased, first, stretch, barred_peak=relaxed.plan.peak_bytes)
     assert isinstance(barred, str) or barred.plan.peak_bytes < relaxed.plan.peak_bytes
+    # Barred below the plan in force itself: nothing to relax to, and the answer says why.
+    assert relaxed_plan(biased, first, stretch, barred_peak=biased.estimate(first).peak_bytes) == (
+        f"no room beyond it: the corrected planning budget is {size(biased.estimate(first).peak_bytes - 1)} (below "
+        f"{size(biased.estimate(first).peak_bytes)}, predicted for a plan that went over)")
     assert relaxed_plan(biased, CheckpointPolicy(mode="full", segments=2), stretch) == (
         "the plan in force is not one the planner makes, so it cannot be priced")
 

@@ -56,13 +56,14 @@ def relaxed_plan(planner: Planner, policy: CheckpointPolicy, stretch: Stretch, *
     error = measured - predicted
     target = stretch.target_bytes
     planning = min(target - error, target * predicted // measured)
-    if barred_peak is not None:
-        planning = min(planning, barred_peak - 1)
+    barred = ""
+    if barred_peak is not None and barred_peak <= planning:
+        planning, barred = barred_peak - 1, f" (below {size(barred_peak)}, predicted for a plan that went over)"
     current = planner.price("in force", policy, modes, planning)
     assert planner.flops_per_second is not None
     before = current.seconds(planner.flops_per_second, planner.host_bandwidth)
     if current.peak_bytes >= planning:
-        return f"no room beyond it: the corrected planning budget is {size(max(planning, 0))}"
+        return f"no room beyond it: the corrected planning budget is {size(max(planning, 0))}{barred}"
     try:
         plan = planner.plan(planning)
     except ConfigError:
