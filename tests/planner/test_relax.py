@@ -214,3 +214,13 @@ def test_relax_after_steps_is_a_validated_recipe_key_shown_in_the_help(
     with pytest.raises(SystemExit):
         main(["finetune", "--help"])
     assert "distributed.relax_after_steps  [int > 0 or null]  default 100" in capsys.readouterr().out
+
+
+def test_a_plan_that_checkpoints_nothing_is_kept_without_building_a_planner() -> None:
+    def no_planner() -> Planner:
+        raise AssertionError("the planner was built")
+
+    adapter = PlanAdapter(no_planner, budget_bytes=2**30, policy=CheckpointPolicy(mode="none"))
+    stretch = Stretch(step=101, steps=100, peak_bytes=2**20, budget_bytes=2**30)
+    assert adapter.relax(stretch) == "it checkpoints nothing, so there is nothing to relax"
+    assert adapter.policy == CheckpointPolicy(mode="none")

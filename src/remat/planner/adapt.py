@@ -115,6 +115,8 @@ class PlanAdapter:
     def relax(self, stretch: Stretch) -> Replan | str:
         """A plan with less predicted recompute that fits what ``stretch`` measured (`remat.planner.relax`), or why
         the plan in force stays."""
+        if not self.policy.enabled:  # nothing recomputed: no planner built, no child started
+            return "it checkpoints nothing, so there is nothing to relax"
         if self._in_child:
             return self._answer_in_child({"stretch": dataclasses.asdict(stretch)})
         old = self.describe()
