@@ -69,14 +69,20 @@ def budget(planner: Planner) -> int:
 
 def biased(planner: Planner) -> Planner:
     """A copy of ``planner`` whose estimates are `UNDER_PREDICTION` of the truth (shares the true cache)."""
+    return scaled(planner, UNDER_PREDICTION)
+
+
+def scaled(planner: Planner, factor: float) -> Planner:
+    """A copy of ``planner`` whose estimates (peaks, phase peaks, breakdown) are ``factor`` times the truth (shares
+    the true cache)."""
     copy_ = copy.copy(planner)
     true_estimate = planner.estimate
 
     def estimate(policy: CheckpointPolicy) -> MemoryEstimate:
         est = true_estimate(policy)
-        return dataclasses.replace(est, peak_bytes=int(est.peak_bytes * UNDER_PREDICTION),
-                                   phase_peaks={k: int(v * UNDER_PREDICTION) for k, v in est.phase_peaks.items()},
-                                   breakdown={k: int(v * UNDER_PREDICTION) for k, v in est.breakdown.items()})
+        return dataclasses.replace(est, peak_bytes=int(est.peak_bytes * factor),
+                                   phase_peaks={k: int(v * factor) for k, v in est.phase_peaks.items()},
+                                   breakdown={k: int(v * factor) for k, v in est.breakdown.items()})
 
     copy_.estimate = estimate  # type: ignore[method-assign]
     return copy_
@@ -237,7 +243,8 @@ def test_the_adapter_of_an_auto_recipe_holds_its_budget_and_first_policy(tmp_pat
     adapter = adapter_for_recipe(cfg)
     assert adapter.budget_bytes == 3 * 2**20 and adapter.policy == CheckpointPolicy(mode="selective")
     assert adapter.state_dict() == {"policy": {"mode": "selective"}, "planning_budget": 3 * 2**20,
-                                    "budget_bytes": 3 * 2**20, "predicted_peak_bytes": None}
+                                    "budget_bytes": 3 * 2**20, "predicted_peak_bytes": None,
+                                    "overshot_peak_bytes": None}
     # A saved state of another budget is not taken over; one of this budget is.
     assert adapter.load_state_dict({**adapter.state_dict(), "policy": {"mode": "full"}, "budget_bytes": 2**30}) is None
     assert adapter.load_state_dict({**adapter.state_dict(), "policy": {"mode": "full"}}) == CheckpointPolicy(mode="full")

@@ -172,7 +172,8 @@ def test_every_distributed_key_is_an_argument_of_the_setup() -> None:
 
     setup_keys = set(DistributedConfig.model_fields) - set(PLANNER_KEYS)
     assert setup_keys <= set(inspect.signature(DistributedSetup.build).parameters)
-    assert PLANNER_KEYS == ("memory_budget", "max_replans", "planner_calibration", "planner_loss")
+    assert PLANNER_KEYS == ("memory_budget", "max_replans", "planner_calibration", "planner_loss",
+                            "relax_after_steps")
 
 
 def test_a_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:

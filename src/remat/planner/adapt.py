@@ -8,7 +8,9 @@ scales: ``min(budget - error, budget * predicted / measured)``, i.e. the correct
 off by a constant and the one that assumes it is off by a factor, whichever asks for more (in the first step, before
 the optimizer state exists, the prediction is taken without that state). After an out-of-memory
 error nothing was measured: the planning budget becomes `OOM_SHRINK` less than the failed plan's prediction.
-Either way the planning budget is below the failed plan's predicted peak, so the new plan keeps less.
+Either way the planning budget is below the failed plan's predicted peak, so the new plan keeps less. The lowest
+predicted peak of a plan that went over is remembered: a later relax (`relax`, `remat.planner.relax`) never goes
+back to a plan predicted to keep as much.
 
 The `Planner` (block measurements on fake tensors, a few seconds) is built on the first re-plan only: a run that
 fits never pays for it.
@@ -29,12 +31,13 @@ import torch.distributed as dist
 
 from remat.checkpointing import CheckpointPolicy, parse_policy
 from remat.errors import ConfigError
-from remat.estimate.api import MemoryEstimate
 from remat.planner.api import _POLICY_KEY, default_target, planner_for_recipe, recipe_budget
 from remat.planner.planner import Planner
+from remat.planner.relax import forward_backward_peak, relaxed_plan
 from remat.recipes.config import RecipeConfig
 from remat.recipes.loader import apply_overrides, validate_recipe
-from remat.recipes.replan import UPDATE_PHASE, Overshoot, Replan, size
+from remat.recipes.relax import Stretch
+from remat.recipes.replan import Overshoot, Replan, size
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class PlanAdapter:
         self.policy = policy
         self.planning_budget = budget_bytes
         self.predicted_peak: int | None = None
+        self.overshot_peak: int | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -87,11 +91,9 @@ class PlanAdapter:
     def replan(self, overshoot: Overshoot) -> Replan:
         """The plan for the corrected planning budget (module docstring); `ConfigError` when nothing fits it."""
         if self._in_child:
-            assert self._child is not None
-            replan, state = plan_in_child(*self._child, self.state_dict(), overshoot)
-            self.load_state_dict(state)
-            return replan
+            return self._answer_in_child({"overshoot": dataclasses.asdict(overshoot)})
         estimate = self.planner.estimate(self.policy)
+        self.overshot_peak = min(estimate.peak_bytes, self.overshot_peak or estimate.peak_bytes)
         predicted = forward_backward_peak(estimate)
         if overshoot.first_update:  # the estimate is of a later step, whose peak holds the optimizer state
             predicted -= estimate.breakdown.get("optimizer_state", 0)
@@ -110,10 +112,34 @@ class PlanAdapter:
         self.policy, self.planning_budget, self.predicted_peak = plan.policy, planning, plan.peak_bytes
         return Replan(policy=plan.policy, old=old, new=f"{self.describe()} planned for {size(planning)}")
 
+    def relax(self, stretch: Stretch) -> Replan | str:
+        """A plan with less predicted recompute that fits what ``stretch`` measured (`remat.planner.relax`), or why
+        the plan in force stays."""
+        if not self.policy.enabled:  # nothing recomputed: no planner built, no child started
+            return "it checkpoints nothing, so there is nothing to relax"
+        if self._in_child:
+            return self._answer_in_child({"stretch": dataclasses.asdict(stretch)})
+        old = self.describe()
+        relaxed = relaxed_plan(self.planner, self.policy, stretch, barred_peak=self.overshot_peak)
+        if isinstance(relaxed, str):
+            return relaxed
+        plan = relaxed.plan
+        self.policy, self.planning_budget, self.predicted_peak = plan.policy, relaxed.planning_budget, plan.peak_bytes
+        return Replan(policy=plan.policy, old=old,
+                      new=f"{self.describe()} planned for {size(relaxed.planning_budget)}; {relaxed.describe()}")
+
+    def _answer_in_child(self, request: dict[str, Any]) -> Replan | str:
+        assert self._child is not None
+        answer, state = plan_in_child(*self._child, self.state_dict(), request)
+        self.load_state_dict(state)
+        return answer
+
     def state_dict(self) -> dict[str, Any]:
-        """The policy in force, its predicted peak and the planning budget it was chosen for (JSON types)."""
+        """The policy in force, its predicted peak, the planning budget it was chosen for and the lowest predicted
+        peak of a plan that went over (JSON types)."""
         return {"policy": self.policy.to_dict(), "planning_budget": self.planning_budget,
-                "budget_bytes": self._budget, "predicted_peak_bytes": self.predicted_peak}
+                "budget_bytes": self._budget, "predicted_peak_bytes": self.predicted_peak,
+                "overshot_peak_bytes": self.overshot_peak}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> CheckpointPolicy | None:
         """Take a saved re-planned policy back when it was re-planned for this same budget; returns it when it
@@ -124,6 +150,7 @@ class PlanAdapter:
         policy = parse_policy(state["policy"], key="train_state.replan.planner.policy")
         self.planning_budget = int(state.get("planning_budget", self._budget))
         self.predicted_peak = state.get("predicted_peak_bytes")
+        self.overshot_peak = state.get("overshot_peak_bytes")
         if policy == self.policy:
             return None
         self.policy = policy
@@ -148,15 +175,15 @@ _LAUNCH_VARIABLES: Final[tuple[str, ...]] = ("RANK", "LOCAL_RANK", "WORLD_SIZE",
 
 
 def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any],
-                  overshoot: Overshoot) -> tuple[Replan, dict[str, Any]]:
-    """`PlanAdapter.replan` run by ``python -m remat.planner.adapt`` in a child process without a process group
-    (with this process's import path): returns the re-plan and the adapter's new state; `ConfigError` with the
-    child's message when it finds no plan, `RuntimeError` with its output when it fails otherwise."""
+                  request: dict[str, Any]) -> tuple[Replan | str, dict[str, Any]]:
+    """`PlanAdapter.replan` (``request``: ``{"overshoot": ...}``) or `PlanAdapter.relax` (``{"stretch": ...}``)
+    run by ``python -m remat.planner.adapt`` in a child process without a process group (with this process's import
+    path): returns the answer and the adapter's new state; `ConfigError` with the child's message when it finds no
+    plan, `RuntimeError` with its output when it fails otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    request = json.dumps({"recipe": recipe, "world_size": world_size, "state": state,
-                          "overshoot": dataclasses.asdict(overshoot)})
-    proc = subprocess.run([sys.executable, "-m", "remat.planner.adapt"], input=request, capture_output=True,
+    message = json.dumps({"recipe": recipe, "world_size": world_size, "state": state, **request})
+    proc = subprocess.run([sys.executable, "-m", "remat.planner.adapt"], input=message, capture_output=True,
                           text=True, env=env, check=False)
     lines = proc.stdout.strip().splitlines()
     answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
@@ -164,6 +191,8 @@ def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any]
         raise RuntimeError(f"re-planning in a child process failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     if "error" in answer:
         raise ConfigError(answer["error"])
+    if "kept" in answer:
+        return answer["kept"], answer["state"]
     replan = answer["replan"]
     return (Replan(policy=parse_policy(replan["policy"]), old=replan["old"], new=replan["new"]), answer["state"])
 
@@ -175,19 +204,16 @@ def _child_main() -> None:
     adapter = adapter_for_recipe(cfg, world_size=request["world_size"])
     adapter.load_state_dict(request["state"])
     try:
-        replan = adapter.replan(Overshoot(**request["overshoot"]))
+        replan = (adapter.replan(Overshoot(**request["overshoot"])) if "overshoot" in request
+                  else adapter.relax(Stretch(**request["stretch"])))
     except ConfigError as err:
         print(json.dumps({"error": str(err)}))
         return
+    if isinstance(replan, str):
+        print(json.dumps({"kept": replan, "state": adapter.state_dict()}))
+        return
     print(json.dumps({"replan": {"policy": replan.policy.to_dict(), "old": replan.old, "new": replan.new},
                       "state": adapter.state_dict()}))
-
-
-def forward_backward_peak(estimate: MemoryEstimate) -> int:
-    """The estimate's highest peak before the optimizer update (forward, loss, backward of every micro-batch); its
-    whole-step peak when it has no phases."""
-    peaks = [peak for phase, peak in estimate.phase_peaks.items() if not phase.startswith(UPDATE_PHASE)]
-    return max(peaks) if peaks else estimate.peak_bytes
 
 
 if __name__ == "__main__":

@@ -211,6 +211,12 @@ class Planner:
         policy = _uniform_policy(modes) if is_uniform else policy_of(modes)
         if offload:
             policy = dataclasses.replace(policy, offload=True)
+        return self.price(label, policy, modes, budget_bytes, is_uniform=is_uniform)
+
+    def price(self, label: str, policy: CheckpointPolicy, modes: tuple[Mode, ...], budget_bytes: int, *,
+              is_uniform: bool = False) -> Candidate:
+        """``policy`` (block ``i`` in mode ``modes[i]``) as a candidate for ``budget_bytes``: its estimate, and its
+        recompute FLOPs and host<->device copies per optimizer step."""
         estimate = self.estimate(policy)
         flops = totals(modes, self.measurements)[1] * self.settings.grad_accumulation
         # every offloaded byte goes to the host and comes back, once per micro-batch

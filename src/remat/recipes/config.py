@@ -146,7 +146,8 @@ class TrainingConfig(StrictModel):
     max_nonfinite_steps: PositiveInt = 3
 
 
-PLANNER_KEYS: tuple[str, ...] = ("memory_budget", "max_replans", "planner_calibration", "planner_loss")
+PLANNER_KEYS: tuple[str, ...] = ("memory_budget", "max_replans", "planner_calibration", "planner_loss",
+                                 "relax_after_steps")
 """``distributed`` keys read by the planner (`remat.planner`, above the recipe), not by ``DistributedSetup.build``."""
 
 
@@ -174,6 +175,10 @@ class DistributedConfig(StrictModel):
     max_replans: NonNegativeInt = 3
     """With ``auto``: how many times a run may re-plan when a step's peak exceeds ``memory_budget`` or raises an
     out-of-memory error (the step is retried each time; `remat.recipes.replan`); 0 turns re-planning off."""
+    relax_after_steps: PositiveInt | None = 100
+    """With ``auto`` (and ``max_replans`` >= 1): after this many steps in a row well under ``memory_budget``, plan
+    again for the room measured and swap in a plan with less recompute when one is predicted faster and to fit
+    (`remat.recipes.relax`); null: never relax."""
     planner_calibration: str | None = None
     """A JSON file of `remat profile --write-calibration`: the measured throughput the planner prices recompute at."""
     planner_loss: Literal["keep", "choose"] = "keep"

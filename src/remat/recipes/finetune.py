@@ -138,7 +138,8 @@ class FinetuneRecipe:
         )
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
         self.retry = (StepRetry(self.replanner, max_replans=cfg.distributed.max_replans, setup=self.dist,
-                                model=self.model, meter=self.memory_meter, optimizer=self.optimizer)
+                                model=self.model, meter=self.memory_meter, optimizer=self.optimizer,
+                                relax_after_steps=cfg.distributed.relax_after_steps)
                       if self.replanner is not None else None)
         self.step = 0
         self.data_fingerprint = dataset_fingerprint(self.train_data)

@@ -15,6 +15,9 @@ one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
   position were never advanced by the failed attempt. One log line says the old and new plans and why.
 - **Bounded**: at most ``distributed.max_replans`` re-plans in a run, then `MemoryBudgetError` saying what the last
   plan needed and what would help.
+- **Relaxed** (`remat.recipes.relax`): after ``distributed.relax_after_steps`` steps well under the budget, a plan
+  with less recompute may be swapped in after a step; if it then goes over, the step is retried as above and
+  relaxing stops.
 
 An out-of-memory error in the optimizer update itself, or on one of several ranks (whose collectives can no longer
 be matched), is not retried: it is raised as it is.
@@ -36,6 +39,7 @@ from remat.checkpointing import CheckpointPolicy
 from remat.distributed import DistributedSetup
 from remat.errors import MemoryBudgetError, RematError
 from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
+from remat.recipes.relax import RelaxWatch, Stretch
 from remat.recipes.training_state.layout import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -110,6 +114,11 @@ class Replanner(Protocol):
         nothing can."""
         ...
 
+    def relax(self, stretch: Stretch) -> Replan | str:
+        """A plan predicted faster than the one in force and, corrected by what ``stretch`` measured, to fit its
+        target; or, when there is none, why the plan in force stays (one phrase)."""
+        ...
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep to resume with the re-planned policy (JSON types)."""
         ...
@@ -122,12 +131,14 @@ class Replanner(Protocol):
 class StepRetry:
     """Runs a training step under the watch: `attempt` retries a step until it fits or the bound is reached.
 
-    ``log`` receives the one line per re-plan (`FinetuneRecipe` points it at its reporter); ``replans`` counts
-    the re-plans of this run (kept across resumes through `state_dict`).
+    ``log`` receives the one line per re-plan or relax (`FinetuneRecipe` points it at its reporter); ``replans``
+    counts the re-plans of this run (kept across resumes through `state_dict`). ``relax_after_steps``: the stable
+    stretch after which a plan may be relaxed (`remat.recipes.relax`; None: never).
     """
 
     def __init__(self, replanner: Replanner, *, max_replans: int, setup: DistributedSetup, model: nn.Module,
-                 meter: StepMemoryMeter, optimizer: torch.optim.Optimizer) -> None:
+                 meter: StepMemoryMeter, optimizer: torch.optim.Optimizer,
+                 relax_after_steps: int | None = None) -> None:
         self.replanner = replanner
         self.max_replans = max_replans
         self.setup = setup
@@ -136,7 +147,9 @@ class StepRetry:
         self.optimizer = optimizer
         self.log: Callable[[str], None] = logger.info
         self.replans = 0
+        self.relax = RelaxWatch(relax_after_steps, self._relax)
         self._phase: str | None = None
+        self._peak: int | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -151,6 +164,7 @@ class StepRetry:
             return
         local = MemoryReading(peak_bytes=self.meter.peak_so_far(), source=self.meter.source)
         peak = max_over_ranks(local).peak_bytes if self.setup.is_distributed else local.peak_bytes
+        self._peak = peak
         if peak > self.budget_bytes:
             raise StepOverBudget(peak, self.budget_bytes)
 
@@ -160,9 +174,11 @@ class StepRetry:
         rng = capture_rng_state()
         first_update = not self.optimizer.state
         while True:
-            self._phase = None
+            self._phase, self._peak = None, None
             try:
-                return run_step()
+                outcome = run_step()
+                self.relax.after_step(step, self._peak, self.budget_bytes, first_update=first_update)
+                return outcome
             except StepOverBudget as over:
                 overshoot = Overshoot(step, self.budget_bytes, peak_bytes=over.peak_bytes, first_update=first_update)
             except OUT_OF_MEMORY as err:
@@ -184,39 +200,58 @@ class StepRetry:
     def _replan(self, overshoot: Overshoot) -> None:
         if self.replans >= self.max_replans:
             raise self._exhausted(overshoot)
-        replan = self._agreed_replan(overshoot)
+        try:
+            replan, failure = self._agreed(lambda: self.replanner.replan(overshoot))
+        except RematError as err:  # a single process
+            raise MemoryBudgetError(self._failed(overshoot, err)) from err
+        if not isinstance(replan, Replan):
+            raise MemoryBudgetError(self._failed(overshoot, failure))
         self.setup.replace_checkpointing(self.model, replan.policy)
         self.replans += 1
+        stops = "; relaxing stops for this run" if self.relax.after_replan() else ""
         self.log(f"re-plan {self.replans}/{self.max_replans} at step {overshoot.step}: {overshoot.reason}; "
-                 f"activation checkpointing {replan.old} -> {replan.new}; retrying step {overshoot.step}")
+                 f"activation checkpointing {replan.old} -> {replan.new}; retrying step {overshoot.step}{stops}")
 
-    def _agreed_replan(self, overshoot: Overshoot) -> Replan:
-        """The replanner's answer; with several ranks, rank 0's, broadcast (every rank swaps in the same policy and
-        takes over the replanner's state), and its error raised on every rank."""
-        failure: str | None = None
-        replan: Replan | None = None
-        if not self.setup.is_distributed or self.setup.rank == 0:
-            try:
-                replan = self.replanner.replan(overshoot)
-            except RematError as err:
-                if not self.setup.is_distributed:
-                    raise MemoryBudgetError(self._failed(overshoot, err)) from err
-                failure = str(err)
-            except Exception as err:  # a bug: the other ranks must not wait for rank 0 forever
-                if not self.setup.is_distributed:
-                    raise
-                failure = f"{type(err).__name__} on rank 0: {err}"
+    def _relax(self, stretch: Stretch) -> bool:
+        """Ask for a relaxed plan (every rank together, after ``stretch``); swap it in and say so. True when
+        swapped."""
+        rng = capture_rng_state()  # planning in this process may draw random numbers: the run's stay as they were
+        answer, failure = self._agreed(lambda: self.replanner.relax(stretch))
+        restore_rng_state(rng)
+        if answer is None:
+            raise RematError(f"relaxing the plan after step {stretch.step}: {failure}")
+        measured = (f"the last {stretch.steps} steps peaked at {size(stretch.peak_bytes)}, "
+                    f"{100 * stretch.peak_bytes / stretch.budget_bytes:.0f}% of the budget "
+                    f"{size(stretch.budget_bytes)}")
+        if not isinstance(answer, Replan):
+            self.log(f"relax: kept the plan at step {stretch.step} ({measured}): {answer}")
+            return False
+        self.setup.replace_checkpointing(self.model, answer.policy)
+        self.log(f"relax {self.relax.relaxes + 1} at step {stretch.step}: {measured}; activation checkpointing "
+                 f"{answer.old} -> {answer.new}; from step {stretch.step + 1}")
+        return True
+
+    def _agreed(self, ask: Callable[[], T]) -> tuple[T | None, str | None]:
+        """``ask()`` answered once for every rank: in a single process its answer (its errors raised); with several,
+        rank 0's, broadcast with the replanner's state (which the other ranks take over), and rank 0's error as
+        ``(None, message)`` on every rank (the other ranks must not wait for rank 0 forever)."""
         if not self.setup.is_distributed:
-            assert replan is not None
-            return replan
-        payload: list[Any] = [(replan, self.replanner.state_dict() if replan is not None else None, failure)]
+            return ask(), None
+        failure: str | None = None
+        answer: T | None = None
+        if self.setup.rank == 0:
+            try:
+                answer = ask()
+            except RematError as err:
+                failure = str(err)
+            except Exception as err:  # a bug
+                failure = f"{type(err).__name__} on rank 0: {err}"
+        payload: list[Any] = [(answer, self.replanner.state_dict() if answer is not None else None, failure)]
         dist.broadcast_object_list(payload, src=0)
-        replan, state, failure = payload[0]
-        if replan is None:
-            raise MemoryBudgetError(self._failed(overshoot, failure))
-        if self.setup.rank != 0:
+        answer, state, failure = payload[0]
+        if answer is not None and self.setup.rank != 0:
             self.replanner.load_state_dict(state)
-        return replan
+        return answer, failure
 
     @staticmethod
     def _failed(overshoot: Overshoot, error: object) -> str:
@@ -235,16 +270,18 @@ class StepRetry:
     # --- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """For ``train_state.json``: the replans done and the replanner's state (the policy in force)."""
-        return {"replans": self.replans, "planner": self.replanner.state_dict()}
+        """For ``train_state.json``: the replans done, the replanner's state (the policy in force) and the relax
+        watch's (`remat.recipes.relax`)."""
+        return {"replans": self.replans, "planner": self.replanner.state_dict(), "relax": self.relax.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> str | None:
         """Resume with the saved re-planned policy (applied in place) and count; returns a note for the log, or
         None when the checkpoint's run had not re-planned."""
         self.replans = int(state.get("replans", 0))
+        self.relax.load_state_dict(state.get("relax", {}))
         policy = self.replanner.load_state_dict(state.get("planner", {}))
         if policy is None:
             return None
         self.setup.replace_checkpointing(self.model, policy)
-        return (f"activation checkpointing: resumed with the plan re-planned at run time ({self.replans} re-plan(s) "
-                f"so far): {self.replanner.describe()}")
+        return (f"activation checkpointing: resumed with the plan re-planned at run time ({self.replans} re-plan(s), "
+                f"{self.relax.relaxes} relax(es) so far): {self.replanner.describe()}")
