@@ -25,7 +25,9 @@ the previous one plus one, and at the start of every row.
   draws per slice, so its masks differ from the dense path's draws; checkpoint recompute replays them exactly).
 - **Padding masks**: transformers drops a 2-D ``attention_mask`` for these implementations, which is exact only for
   masks of ones or right padding (a real token attends only to the tokens before it). `guard_padding_mask` refuses
-  any other mask (left padding, holes) with a `ConfigError` before the model runs.
+  any other mask (left padding, holes) with a `ConfigError` before the model runs. With right padding the documents
+  stay apart; transformers' own path, given any 2-D mask, stops looking for packed documents and lets them attend to
+  each other (the recipe drops right-padding masks before the model runs, so its packed rows never reach that).
 - CUDA's ``torch.nn.attention.varlen.varlen_attn`` (one kernel call for all documents) is not used: its signature
   differs between torch versions and it cannot be tested without a GPU; the per-document loop runs everywhere.
 """
@@ -251,6 +253,8 @@ def use_document_attention(model: nn.Module, setting: DocumentAttention, *, pack
     """
     setting = check_document_attention(setting)
     name = current_attention(model)
+    if name in DOCUMENT_IMPLEMENTATIONS.values():
+        return f"attention: {name} (already document-wise)"
     variant = DOCUMENT_IMPLEMENTATIONS.get(name or "")
     if setting is False or (setting == "auto" and (packed is False or variant is None)):
         why = ("model.document_attention is false" if setting is False else
