@@ -19,6 +19,11 @@ the previous one plus one, and at the start of every row.
 - **Sliding windows** (``sliding_window`` passed by the layer): a document longer than the window runs in query
   chunks of ``window`` tokens against keys ``[chunk start - window + 1, chunk end)`` with a banded mask of at most
   ``window x (2 window - 1)`` elements; nothing of a document's square size.
+- **Cost**: the queries, keys and values are cut with ``split`` (whose backward writes each token's gradient once,
+  where slicing would make a full-length gradient per document), and the outputs are joined by one ``cat``: one
+  more ``[rows, tokens, heads, dim]`` tensor than the dense path while the cat runs. Each document is one kernel
+  call, so rows of many short documents pay the calls' overhead (a small model on the CPU: measured in
+  ``benchmarks/results/document_attention.md``), and long rows skip the dense path's masked-out blocks.
 - **eager**: each slice gets an additive causal mask of its own size (the eager kernel holds the slice's scores
   anyway); its attention weights are not returned (``output_attentions`` yields None).
 - **Grouped KV heads, dropout, softcap, KV-shared layers**: passed through to the wrapped kernel per slice (dropout
@@ -126,39 +131,59 @@ def documents_of(position_ids: Any, batch: int, length: int) -> Documents | None
 Kernel = Callable[..., tuple[torch.Tensor, Any]]
 
 
-def _allowed(q_start: int, q_end: int, k_start: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[q, k] booleans: key j is visible to query i when j <= i and (with a window) j > i - window."""
-    q = torch.arange(q_start, q_end, device=device)[:, None]
-    k = torch.arange(k_start, q_end, device=device)[None, :]
+def _allowed(q_length: int, k_length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q, k] booleans for queries that are the last ``q_length`` of ``k_length`` consecutive tokens: key j is
+    visible to query i when j <= i and (with a window) j > i - window."""
+    q = torch.arange(k_length - q_length, k_length, device=device)[:, None]
+    k = torch.arange(k_length, device=device)[None, :]
     allowed = k <= q
     return allowed & (k > q - window) if window is not None else allowed
 
 
-def _slice_mask(allowed: torch.Tensor, eager: bool, dtype: torch.dtype) -> torch.Tensor:
-    if not eager:
-        return allowed[None, None]
-    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return additive.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+class _Masks:
+    """The masks of one attention call, made once per shape: booleans for SDPA, additive for eager."""
+
+    def __init__(self, eager: bool, window: int | None, dtype: torch.dtype, device: torch.device) -> None:
+        self.eager, self.window, self.dtype, self.device = eager, window, dtype, device
+        self._made: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, q_length: int, k_length: int) -> torch.Tensor:
+        made = self._made.get((q_length, k_length))
+        if made is None:
+            allowed = _allowed(q_length, k_length, self.window, self.device)
+            if self.eager:
+                zeros = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+                allowed = zeros.masked_fill(~allowed, torch.finfo(self.dtype).min)
+            made = self._made[(q_length, k_length)] = allowed[None, None]
+        return made
 
 
-def _pieces(kernel: Kernel, eager: bool, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-            value: torch.Tensor, start: int, end: int, window: int | None, kwargs: Mapping[str, Any]
-            ) -> list[torch.Tensor]:
-    """The outputs ([rows, tokens, heads, dim]) of causal attention within ``[start, end)`` of the token axis."""
-    if window is not None and end - start <= window:
-        window = None  # every key of the slice is within the window
-    step = window if window is not None else end - start
+def _document(kernel: Kernel, masks: _Masks, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The outputs ([rows, tokens, heads, dim]) of causal attention within one document's queries, keys and values.
+
+    With a window shorter than the document, queries go in chunks of ``window`` tokens against the keys from
+    ``window - 1`` tokens before the chunk (``split`` and a two-piece ``cat``, so backward copies each token once)."""
+    length, window = query.shape[2], masks.window
+    if window is None or length <= window:  # every key of the document is within the window
+        mask = masks.get(length, length) if masks.eager or window is not None else None
+        return [kernel(module, query, key, value, mask, **kwargs)[0]]
     out = []
-    for q_start in range(start, end, step):
-        q_end = min(q_start + step, end)
-        k_start = max(start, q_start - window + 1) if window is not None else start
-        mask = None
-        if eager or window is not None:
-            mask = _slice_mask(_allowed(q_start, q_end, k_start, window, query.device), eager, query.dtype)
-        piece, _ = kernel(module, query[:, :, q_start:q_end], key[:, :, k_start:q_end], value[:, :, k_start:q_end],
-                          mask, **kwargs)
-        out.append(piece)
+    chunks = list(zip(query.split(window, 2), key.split(window, 2), value.split(window, 2), strict=True))
+    for i, (q, k, v) in enumerate(chunks):
+        if i:
+            k = torch.cat([chunks[i - 1][1][:, :, 1:], k], dim=2)
+            v = torch.cat([chunks[i - 1][2][:, :, 1:], v], dim=2)
+        out.append(kernel(module, q, k, v, masks.get(q.shape[2], k.shape[2]), **kwargs)[0])
     return out
+
+
+def _row_pieces(kernel: Kernel, masks: _Masks, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, bounds: tuple[int, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """Every document's outputs, in order, for rows cut at ``bounds``."""
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    split = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+    return [piece for q, k, v in split for piece in _document(kernel, masks, module, q, k, v, kwargs)]
 
 
 def _document_attention(kernel: Kernel, eager: bool, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -170,23 +195,16 @@ def _document_attention(kernel: Kernel, eager: bool, module: nn.Module, query: t
     if not getattr(module, "is_causal", True):
         raise RematError(f"document attention: {type(module).__name__} is not causal; use "
                          "model.document_attention: false for this model")
-    window = kwargs.pop("sliding_window", None)
+    masks = _Masks(eager, kwargs.pop("sliding_window", None), query.dtype, query.device)
     kwargs.pop("is_causal", None)
     documents = documents_of(kwargs.get("position_ids"), batch, length)
-    if documents is None:
-        if not eager and window is None:
-            return kernel(module, query, key, value, None, **kwargs)[0], None
-        return torch.cat(_pieces(kernel, eager, module, query, key, value, 0, length, window, kwargs), dim=1), None
-    if documents.uniform:
-        bounds = documents.rows[0]
-        pieces = [p for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-                  for p in _pieces(kernel, eager, module, query, key, value, s, e, window, kwargs)]
-        return torch.cat(pieces, dim=1), None
-    pieces = []
-    for row, bounds in enumerate(documents.rows):
-        q, k, v = query[row:row + 1], key[row:row + 1], value[row:row + 1]
-        pieces += [p for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-                   for p in _pieces(kernel, eager, module, q, k, v, s, e, window, kwargs)]
+    if documents is None or documents.uniform:
+        bounds = (0, length) if documents is None else documents.rows[0]
+        pieces = _row_pieces(kernel, masks, module, query, key, value, bounds, kwargs)
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), None
+    rows = zip(query.split(1), key.split(1), value.split(1), documents.rows, strict=True)
+    pieces = [piece for q, k, v, bounds in rows for piece in _row_pieces(kernel, masks, module, q, k, v, bounds,
+                                                                         kwargs)]
     flat = torch.cat(pieces, dim=1)  # [1, rows x tokens, heads, dim]: one copy, then a view per row
     return flat.view(batch, length, *flat.shape[2:]), None
 
