@@ -218,3 +218,23 @@ def test_settings_and_the_line_that_says_which_attention_runs(caplog: pytest.Log
     with pytest.raises(ConfigError, match="model.document_attention: must be auto, true or false; got 'yes'"):
         AutoModelForCausalLM.from_pretrained("tiny-llama", document_attention="yes")
     assert ModelConfig(preset="tiny-llama").document_attention == "auto"
+
+
+def test_recipes_and_the_python_entry_point_use_it_for_packed_rows(tmp_path: Any) -> None:
+    from remat.recipes.build import build_recipe_model
+    from remat.recipes.loader import validate_recipe
+
+    def recipe(**dataset: Any) -> Any:
+        return validate_recipe({"output_dir": str(tmp_path), "model": {"preset": "tiny-llama"},
+                                "dataset": {"seq_length": 64, **dataset}})
+
+    assert build_recipe_model(recipe(), vocab_size=512).config._attn_implementation == SDPA_NAME  # packing: true
+    assert build_recipe_model(recipe(packing=False), vocab_size=512).config._attn_implementation == "sdpa"
+    off = recipe()
+    off.model.document_attention = False
+    assert build_recipe_model(off, vocab_size=512).config._attn_implementation == "sdpa"
+    assert AutoModelForCausalLM.from_pretrained("tiny-llama").config._attn_implementation == SDPA_NAME
+    dense = AutoModelForCausalLM.from_pretrained("tiny-llama", document_attention=False)
+    assert dense.config._attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="model.document_attention: must be auto, true or false; got 'yes'"):
+        validate_recipe({"output_dir": str(tmp_path), "model": {"preset": "tiny-llama", "document_attention": "yes"}})
