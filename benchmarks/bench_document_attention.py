@@ -72,7 +72,7 @@ def _step(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
     loss = model(**batch, use_cache=False).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 def _tracked(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, int, float]:
