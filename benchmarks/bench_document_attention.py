@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = measure(lengths, args.document_tokens, args.rounds)
-    command = "python benchmarks/bench_document_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/bench_document_attention.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = write(rows, args, command.strip())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
