@@ -127,11 +127,11 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
-        f"Llama, 2 layers, hidden 256, 4 heads / 2 KV heads, fp32, {ROWS} rows, documents of 1 to "
-        f"{2 * args.document_tokens} tokens; one forward + backward. Peak: `LiveTensorTracker` (tensors created in the "
-        f"step). Time: median of {args.rounds} interleaved runs; ratio: median of per-round ratios.",
+        (f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+         f"{torch.get_num_threads()} threads; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
+         f"Llama, 2 layers, hidden 256, 4 heads / 2 KV heads, fp32, {ROWS} rows, documents of 1 to "
+         f"{2 * args.document_tokens} tokens; one forward + backward. Peak: `LiveTensorTracker` (tensors created in "
+         f"the step). Time: median of {args.rounds} interleaved runs; ratio: median of per-round ratios."),
         "",
     ]
     if args.note:

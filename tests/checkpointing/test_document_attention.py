@@ -10,18 +10,29 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_models import ARCHS, BATCH, SEQ, VOCAB, assert_same_grads, batch, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture: one intra-op thread in this module)
+from ckpt_models import (
+    ARCHS,
+    BATCH,
+    SEQ,
+    VOCAB,
+    assert_same_grads,
+    batch,
+    single_thread,  # noqa: F401  (autouse fixture: one intra-op thread in this module)
+    tiny_model,
+)
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import remat.models.document_attention as document_attention
 from remat.auto import AutoModelForCausalLM
 from remat.checkpointing import apply_activation_checkpointing
 from remat.errors import ConfigError
 from remat.memory import LiveTensorTracker
-from remat.models import ModelConfig
-from remat.models.document_attention import SDPA_NAME, documents_of, use_document_attention
+from remat.models import ModelConfig, document_attention
+from remat.models.document_attention import (
+    SDPA_NAME,
+    documents_of,
+    use_document_attention,
+)
 
 # Row 0: documents of 4, 6 and 6 tokens. Row 1 starts inside a document (positions 6, 7, 8: the rest of one that
 # began in an earlier row), then documents of 10 and 3 tokens.

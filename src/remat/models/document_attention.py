@@ -39,6 +39,7 @@ the previous one plus one, and at the start of every row.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import weakref
@@ -181,7 +182,7 @@ def _document(kernel: Kernel, masks: _Masks, module: nn.Module, query: torch.Ten
 def _row_pieces(kernel: Kernel, masks: _Masks, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, bounds: tuple[int, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """Every document's outputs, in order, for rows cut at ``bounds``."""
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
     split = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
     return [piece for q, k, v in split for piece in _document(kernel, masks, module, q, k, v, kwargs)]
 
