@@ -120,7 +120,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral", "gemma3n_text"])
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", "selective", "offload"])
 def test_checkpointed_gradients_equal_the_uncheckpointed_run_and_boundaries_are_read_once(
         arch: str, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ids = batch()
