@@ -30,11 +30,12 @@ from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activati
 from remat.distributed import DistributedSetup
 from remat.errors import ConfigError, RematError
 from remat.models import ModelConfig, build_model, model_from_config, preset_names
+from remat.models.document_attention import use_document_attention
 
 #: The attribute holding the `CheckpointPlan` on every model these constructors return.
 PLAN_ATTRIBUTE = "remat_plan"
 
-_MODEL_FIELDS = ("dtype", "attn_implementation", "trust_remote_code")
+_MODEL_FIELDS = ("dtype", "attn_implementation", "trust_remote_code", "document_attention")
 
 
 class AutoModelForCausalLM:
@@ -63,7 +64,8 @@ class AutoModelForCausalLM:
     ) -> nn.Module:
         """Build from a local directory, a shape preset or a Hub id (see the module docstring), then apply the setup.
 
-        ``dtype`` (a torch dtype or its name), ``attn_implementation`` and ``trust_remote_code`` are read by remat;
+        ``dtype`` (a torch dtype or its name), ``attn_implementation``, ``trust_remote_code`` and
+        ``document_attention`` (``"auto"``: packed rows attend per document, no ``[T, T]`` mask) are read by remat;
         the other keyword arguments go to transformers' ``from_pretrained`` (``revision``, ``token``, ``cache_dir``,
         config overrides), or, for a preset, override fields of its config (``num_hidden_layers=2``).
         """
@@ -77,7 +79,7 @@ class AutoModelForCausalLM:
             cfg = _model_config(fields, pretrained_model_name_or_path=source)
         device = distributed_setup.device if distributed_setup else "cpu"
         model = build_model(cfg, device=device, pretrained_kwargs=rest)
-        return _prepare(model, distributed_setup, policy)
+        return _prepare(model, cfg, distributed_setup, policy)
 
     @classmethod
     def from_config(
@@ -89,7 +91,8 @@ class AutoModelForCausalLM:
         **kwargs: Any,
     ) -> nn.Module:
         """Random weights for ``config`` (a transformers config, a mapping with ``model_type``, or a ``ModelConfig``),
-        then apply the setup. Keyword arguments: ``dtype``, ``attn_implementation``, ``trust_remote_code``."""
+        then apply the setup. Keyword arguments: ``dtype``, ``attn_implementation``, ``trust_remote_code``,
+        ``document_attention``."""
         fields, rest = _split_kwargs(kwargs)
         if rest:
             raise ConfigError(f"from_config: unexpected keyword argument(s) {', '.join(sorted(rest))}; allowed: "
@@ -104,13 +107,15 @@ class AutoModelForCausalLM:
                                       attn_implementation=cfg.attn_implementation,
                                       trust_remote_code=cfg.trust_remote_code)
         elif isinstance(config, ModelConfig):
-            model = build_model(_model_config(fields, **config.model_dump(exclude=set(fields))), device=device)
+            cfg = _model_config(fields, **config.model_dump(exclude=set(fields)))
+            model = build_model(cfg, device=device)
         elif isinstance(config, Mapping):
-            model = build_model(_model_config(fields, config=dict(config)), device=device)
+            cfg = _model_config(fields, config=dict(config))
+            model = build_model(cfg, device=device)
         else:
             raise ConfigError(f"from_config: config must be a transformers PretrainedConfig, a mapping with "
                               f"model_type, or a remat.models.ModelConfig; got {type(config).__name__}")
-        return _prepare(model, distributed_setup, policy)
+        return _prepare(model, cfg, distributed_setup, policy)
 
 
 def _split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -145,8 +150,11 @@ def _check_setup(setup: DistributedSetup | None, activation_checkpointing: Any) 
     return parse_policy(setup.activation_checkpointing, key="distributed_setup.activation_checkpointing")
 
 
-def _prepare(model: PreTrainedModel, setup: DistributedSetup | None, policy: CheckpointPolicy) -> nn.Module:
-    """Checkpoint (exactly once: an already checkpointed model is refused) and parallelize; attach the plan."""
+def _prepare(model: PreTrainedModel, cfg: ModelConfig, setup: DistributedSetup | None,
+             policy: CheckpointPolicy) -> nn.Module:
+    """Document-wise attention (the rows a Python caller trains on may be packed), then checkpoint (exactly once: an
+    already checkpointed model is refused) and parallelize; attach the plan."""
+    use_document_attention(model, cfg.document_attention, packed=None)
     if setup is not None:
         root = setup.parallelize(model)
         plan = setup.plan

@@ -61,7 +61,14 @@ def test_attention_kernels_reported_per_setting() -> None:
     recomputed = estimate_memory(TINY, SMALL_STEP, autocast="bfloat16", policy="full")
     assert recomputed.attention_kernels == {"flash": 2 * LAYERS}  # the recompute calls attention again
     packed = estimate_memory(TINY, SMALL_STEP, autocast="bfloat16", documents_per_row=2)
-    assert packed.attention_kernels == {"efficient": LAYERS}  # a block-diagonal mask: no flash
+    assert packed.attention_kernels == {"flash": 2 * LAYERS}  # document-wise: one flash call per document, no mask
+    dense = TINY.model_copy(update={"document_attention": False})
+    masked = estimate_memory(dense, SMALL_STEP, autocast="bfloat16", documents_per_row=2)
+    assert masked.attention_kernels == {"efficient": LAYERS}  # transformers' block-diagonal mask: no flash
+    long_rows = StepSettings(batch_size=2, seq_length=1024, autocast="bfloat16", documents_per_row=4)
+    mask_bytes = 2 * 1024 * 1024  # transformers' [batch, 1, T, T] boolean mask
+    without_mask = estimate_memory(TINY, long_rows).peak_bytes
+    assert estimate_memory(dense, long_rows).peak_bytes - without_mask >= mask_bytes
     assert estimate_memory(TINY, SMALL_STEP, target="cpu").attention_kernels == {}
 
 

@@ -82,7 +82,8 @@ def register(subparsers: Any) -> None:
                       help="FSDP2 compute dtype of the gathered parameters (fsdp2 only)")
     step.add_argument("--grad-accumulation", type=int, help="micro-batches per optimizer step")
     step.add_argument("--documents-per-row", type=int,
-                      help="packed documents per row (>1 makes transformers build a block-diagonal mask)")
+                      help="packed documents per row (>1: attention runs per document; with "
+                           "model.document_attention: false transformers builds a block-diagonal mask)")
     step.add_argument("--target", choices=TARGETS, help="model a CUDA GPU (default) or the CPU as it runs here")
     out = parser.add_argument_group("output")
     out.add_argument("--compare", action="store_true",

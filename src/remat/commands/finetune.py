@@ -228,7 +228,7 @@ def type_label(annotation: Any) -> str:
     if annotation is CheckpointPolicy:
         return f"true | false | {' | '.join(POLICY_STRINGS)} | a mapping (see docs/recipes.md)"
     if origin is Literal:
-        return "one of " + " | ".join(str(a) for a in args)
+        return "one of " + " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
     if origin is Annotated:
         bounds = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
         limits = [f"{sign} {getattr(meta, name)}" for meta in args[1:] for name, sign in bounds.items()

@@ -14,7 +14,15 @@ from remat.models.presets import get_preset, preset_names
 
 ParamDtype = Literal["float32", "bfloat16", "float16"]
 AutocastDtype = Literal["bfloat16", "float16"]
+DocumentAttention = Literal["auto", True, False]
 ModelSource = Literal["pretrained", "preset", "config"]
+
+def check_document_attention(value: Any, key: str = "model.document_attention") -> DocumentAttention:
+    """``value`` as a document-attention setting (auto, true or false), or a `ConfigError` naming ``key``."""
+    if value is True or value is False or value == "auto":
+        return value  # type: ignore[no-any-return]
+    raise ConfigError(f"{key}: must be auto, true or false; got {value!r}")
+
 
 class ModelConfig(StrictModel):
     """Which causal LM to train: pretrained weights (a local directory or a Hub id), a named shape preset, or a
@@ -38,6 +46,10 @@ class ModelConfig(StrictModel):
     """Run forward/backward under `torch.autocast` in this dtype (the training loop applies it)."""
     attn_implementation: Literal["sdpa", "eager"] | None = None
     """Attention kernel; None keeps the transformers default for the architecture."""
+    document_attention: DocumentAttention = "auto"
+    """Packed rows attend per document with no dense [tokens, tokens] mask (`remat.models.document_attention`):
+    auto (on when dataset.packing is true and the attention is sdpa or eager), true (on, or an error for another
+    attention implementation) or false (transformers builds its block-diagonal mask)."""
     output_hidden_states: bool = False
     """The loss needs the last hidden states instead of logits (fused linear cross-entropy)."""
     trust_remote_code: bool = False
@@ -62,6 +74,11 @@ class ModelConfig(StrictModel):
                 "a directory written by `save_pretrained`, or a Hub id 'org/name' (letters, digits, '-', '_', '.')."
             )
         return value
+
+    @field_validator("document_attention", mode="before")
+    @classmethod
+    def _auto_true_or_false(cls, value: Any) -> Any:
+        return check_document_attention(value)
 
     @field_validator("preset")
     @classmethod

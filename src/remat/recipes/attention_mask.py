@@ -16,14 +16,9 @@ from typing import Any
 
 import torch
 
+from remat.models.document_attention import is_right_padding
 
-def is_right_padding(mask: torch.Tensor) -> bool:
-    """True when every row of ``mask`` (``[..., tokens]``, 0/1) is ones followed by zeros (or ones only)."""
-    if mask.dtype == torch.bool:
-        mask = mask.to(torch.int8)
-    if mask.numel() == 0 or bool(((mask != 0) & (mask != 1)).any()):
-        return False
-    return bool((mask[..., 1:] <= mask[..., :-1]).all())
+__all__ = ["is_right_padding", "without_redundant_mask"]
 
 
 def without_redundant_mask(inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from remat.distributed import DistributedSetup
 from remat.errors import ConfigError
 from remat.loss import loss_input
 from remat.models import build_model
+from remat.models.document_attention import use_document_attention
 from remat.recipes.config import PeftConfig, RecipeConfig
 from remat.recipes.model_loss import CausalLMLoss
 from remat.recipes.targets import LOSS, OPTIMIZER, build_target, resolve_target
@@ -43,8 +44,10 @@ def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:
 
 
 def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu") -> nn.Module:
-    """The recipe's model on ``device`` (with LoRA adapters when it has a ``peft`` section)."""
+    """The recipe's model on ``device`` (with LoRA adapters when it has a ``peft`` section); packed rows attend per
+    document (``model.document_attention``, `remat.models.document_attention`)."""
     model = build_model(cfg.model, vocab_size=vocab_size, device=device)
+    use_document_attention(model, cfg.model.document_attention, packed=cfg.dataset.packing)
     return apply_lora(model, cfg.peft) if cfg.peft is not None else model
 
 

@@ -74,6 +74,7 @@ RESUME_RULES: dict[str, Rule] = {
     "model.*": _MODEL,
     "model.autocast": _APPLIED,
     "model.attn_implementation": _APPLIED,
+    "model.document_attention": _APPLIED,
     "model.output_hidden_states": _APPLIED,
     "model.trust_remote_code": _APPLIED,
     "tokenizer.*": _TOKENIZER,
