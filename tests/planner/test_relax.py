@@ -66,7 +66,8 @@ def test_a_conservative_first_plan_relaxes_after_a_stable_stretch(
     relaxed = adapter.policy
     # Steps 2 and 3 are the stretch (step 1, the first update, does not count); step 3 relaxes.
     assert len(lines) == 2, lines
-    assert lines[0].startswith(f"relax 1 at step 3: the last 2 steps peaked at {size(result.records[2].mem_bytes)}, ")
+    stretch_peak = max(record.mem_bytes for record in result.records[1:3])  # steps differ: document-wise attention
+    assert lines[0].startswith(f"relax 1 at step 3: the last 2 steps peaked at {size(stretch_peak)}, ")
     assert (f"% of the budget {size(budget)}; activation checkpointing {first.describe()} (predicted peak "
             f"{size(over(planner).estimate(first).peak_bytes)}) -> {relaxed.describe()} (predicted peak ") in lines[0]
     assert " a step (-" in lines[0] and "%), corrected peak " in lines[0] and lines[0].endswith("; from step 4")
