@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_recipes import leave_process_group
 from replan_worker import outcomes, recipe
 
 from remat.checkpointing import CheckpointPolicy
@@ -63,7 +64,7 @@ def main() -> None:
     budgets = {strategy: budget_for(out / strategy, strategy) for strategy in strategies}
     report = {strategy: one_strategy(out / strategy, strategy, budgets[strategy]) for strategy in strategies}
     (out / f"relax_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_recipes import TINY_MODEL
+from dist_recipes import TINY_MODEL, leave_process_group
 
 from remat.checkpointing import CheckpointPolicy
 from remat.planner.adapt import adapter_for_recipe
@@ -83,7 +83,7 @@ def main() -> None:
     sizes = {strategy: budget_and_extra(out / strategy, strategy) for strategy in strategies}
     report = {strategy: one_strategy(out / strategy, strategy, *sizes[strategy]) for strategy in strategies}
     (out / f"replan_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
