@@ -25,6 +25,7 @@ from remat.planner.adapt import PlanAdapter, adapter_for_recipe, forward_backwar
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
 from remat.recipes.replan import Overshoot, size
+from remat.recipes.training_state.oom_notes import OutOfMemoryNote, write_note
 
 GIB = 2**30
 
@@ -281,3 +282,34 @@ def test_remat_finetune_gives_auto_runs_and_their_workers_a_replanner(tmp_path: 
     monkeypatch.setenv(AUTO_PLANNED_ENV, "1")
     assert main(["finetune", str(path), "--distributed.activation_checkpointing", "full"]) == 0
     assert isinstance(given[-1], PlanAdapter) and given[-1].policy == CheckpointPolicy(mode="full")
+
+
+@pytest.mark.parametrize("same_budget", [True, False])
+def test_a_restarted_run_replans_from_an_out_of_memory_note_before_its_first_step(
+        same_budget: bool, planner: Planner, budget: int, reference: list[tuple[int, float, float]],
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What a restart after an out-of-memory error on one of several ranks does (the 2-rank run through torchrun is
+    in tests/distributed/test_replan_ranks.py): the note's plan is re-planned once, before step 1 here (nothing to
+    resume), and the run gives the same numbers; a note of another budget is ignored, and a finished run clears it."""
+    right = planner.plan(budget).policy
+    failed = PlanAdapter(lambda: planner, budget_bytes=budget if same_budget else budget + 1, policy=right)
+    data = recipe(tmp_path, policy=right.to_dict())
+    checkpoints = Path(data["output_dir"]) / "checkpoints"
+    write_note(checkpoints, OutOfMemoryNote(step=2, rank=1, error="CUDA out of memory (injected)",
+                                            first_update=False, replans=0, planner=failed.state_dict()))
+    adapter = PlanAdapter(lambda: planner, budget_bytes=budget, policy=right)
+    job, result = train(data, replanner=adapter)
+    out = capsys.readouterr().out
+    assert outcomes(result) == reference[:3]
+    assert job.retry is not None and not list(checkpoints.glob("oom-replan-*"))
+    if not same_budget:
+        assert job.retry.replans == 0 and adapter.policy == right
+        assert (f"re-plan: ignored the out-of-memory note of step 2 (rank 1): it was planned for another budget; "
+                f"this run keeps its plan for {size(budget)}") in out
+        return
+    assert job.retry.replans == 1 and adapter.policy != right
+    line = next(line for line in out.splitlines() if line.startswith("re-plan "))
+    assert line.startswith("re-plan 1/3 at step 2: out of memory on rank 1 (CUDA out of memory (injected)); "
+                           f"activation checkpointing {right.describe()} ")
+    assert line.endswith("; the workers were restarted: resuming after step 0")
+    assert planner.estimate(adapter.policy).peak_bytes <= 0.9 * planner.estimate(right).peak_bytes

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.print_config:
             return _print_config(cfg)
     if check_launch_environment(options):
+        options = restarts_for_replanning(options, cfg, planned)
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
             check_parallel_layout(cfg, world_size)
@@ -115,6 +116,21 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         exit_now(result.exit_code)
     return result.exit_code
+
+
+def restarts_for_replanning(options: Any, cfg: Any, planned: bool) -> Any:
+    """`options` with ``--max-restarts`` set to ``distributed.max_replans`` for an ``auto`` recipe on several
+    processes that did not give it: an out-of-memory error on one rank is re-planned after torchrun restarts the
+    workers (`remat.recipes.training_state.oom_notes`). Given explicitly (0 included), it is kept."""
+    import dataclasses
+
+    processes = options.num_processes()
+    if not planned or options.max_restarts is not None or cfg.distributed.max_replans == 0 or processes == 1:
+        return options
+    logger.info("activation checkpointing 'auto' on several processes: --max-restarts %d (distributed.max_replans), "
+                "so that an out-of-memory error on one rank is re-planned after a restart; give --max-restarts to "
+                "choose otherwise", cfg.distributed.max_replans)
+    return dataclasses.replace(options, max_restarts=cfg.distributed.max_replans)
 
 
 @contextlib.contextmanager

@@ -364,6 +364,22 @@ def _process_group(strategy: str, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_fake_meshes()
+
+
+def _forget_fake_meshes() -> None:
+    """Empty DTensor's sharding caches after a simulation. They key on the device mesh, and meshes compare equal by
+    shape, names and device type, not by this process's rank: a real FSDP2 run of the same shape later in this
+    process (a worker that planned ``auto`` itself, a notebook) would otherwise get DTensors on the fake mesh, where
+    every process is rank 0, and its sharded checkpoints fail to save ("Failed to validate global plan")."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ from remat.recipes.step import StepOutcome, autocast, step_label_tokens, train_s
 from remat.recipes.training_state import state_store, store_for_saved
 from remat.recipes.training_state.history import check_saved_step, keep_newer_checkpoints
 from remat.recipes.training_state.layout import remove_stale_work_dirs, step_directories
+from remat.recipes.training_state.oom_notes import clear_notes, pending_note
 from remat.recipes.training_state.verify import load_newest_verified, load_verified, supersede_checkpoints
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
@@ -139,7 +140,7 @@ class FinetuneRecipe:
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
         self.retry = (StepRetry(self.replanner, max_replans=cfg.distributed.max_replans, setup=self.dist,
                                 model=self.model, meter=self.memory_meter, optimizer=self.optimizer,
-                                relax_after_steps=cfg.distributed.relax_after_steps)
+                                relax_after_steps=cfg.distributed.relax_after_steps, notes_dir=self.checkpoint_dir)
                       if self.replanner is not None else None)
         self.step = 0
         self.data_fingerprint = dataset_fingerprint(self.train_data)
@@ -213,6 +214,7 @@ class FinetuneRecipe:
             self._report_setup(reporter)
             if self.retry is not None:
                 self.retry.log = reporter.info
+                self._replan_after_restart()
             if self.step >= max_steps:
                 reporter.info(f"nothing to do: {self.resumed_from} is already at step {self.step} >= max_steps "
                               f"{max_steps}; raise step_scheduler.max_steps or use a new output_dir to train more")
@@ -235,6 +237,8 @@ class FinetuneRecipe:
                 if sched.ckpt_every_steps and self.step % sched.ckpt_every_steps == 0 and self.step < max_steps:
                     result.last_checkpoint = self._save(reporter)
             result.final_step = self.step
+            if self.retry is not None and self.step >= max_steps and self.dist.is_main_process:
+                clear_notes(self.checkpoint_dir)  # finished: nothing is left to re-plan
             result.stopped_early = self._stop_reason is not None and self.step < max_steps
             result.stop_signal = self._stop_signal
             if result.stopped_early:
@@ -277,6 +281,14 @@ class FinetuneRecipe:
         """Let go of this run's directory locks (``run`` does it when it ends)."""
         if self.run_locks is not None:
             self.run_locks.release()
+
+    def _replan_after_restart(self) -> None:
+        """An ``auto`` run restarted after one of several ranks ran out of memory re-plans, before its first step,
+        from the newest pending out-of-memory note (`remat.recipes.training_state.oom_notes`; read by rank 0)."""
+        assert self.retry is not None
+        note = on_rank0(lambda: pending_note(self.checkpoint_dir, self.step), rank=self.dist.rank,
+                        distributed=self.dist.is_distributed)
+        self.retry.replan_after_restart(note, self.step)
 
     def _keep_newer_checkpoints(self, resumed: Path) -> None:
         """Never train over checkpoints newer than ``resumed`` silently: ``checkpoint.on_newer_checkpoints``."""

@@ -19,8 +19,12 @@ one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
   with less recompute may be swapped in after a step; if it then goes over, the step is retried as above and
   relaxing stops.
 
-An out-of-memory error in the optimizer update itself, or on one of several ranks (whose collectives can no longer
-be matched), is not retried: it is raised as it is.
+- **Out of memory on one of several ranks**: its peers already wait in the step's collectives, so the step cannot
+  be retried in place. The rank writes an out-of-memory note (`remat.recipes.training_state.oom_notes`) and fails;
+  torchrun restarts the workers (``--max-restarts``), the run resumes from its newest checkpoint and re-plans from
+  the note before its first step (`StepRetry.replan_after_restart`), counted like any re-plan.
+
+An out-of-memory error in the optimizer update itself is not retried: it is raised as it is.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import gc
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
 import torch
@@ -41,6 +46,7 @@ from remat.errors import MemoryBudgetError, RematError
 from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
 from remat.recipes.relax import RelaxWatch, Stretch
 from remat.recipes.training_state.layout import capture_rng_state, restore_rng_state
+from remat.recipes.training_state.oom_notes import OutOfMemoryNote, restart_generation, restarts_left, write_note
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +77,24 @@ class StepOverBudget(Exception):
 @dataclass(frozen=True)
 class Overshoot:
     """Why a step is retried: its measured forward+backward ``peak_bytes`` (max over ranks) over ``budget_bytes``,
-    or (``peak_bytes`` None) an out-of-memory ``error``. ``step`` is the step's number (1 = the first);
-    ``first_update``: the optimizer had no state yet (its first update: the peak held no optimizer state)."""
+    or (``peak_bytes`` None) an out-of-memory ``error`` (on ``rank``, when one of several ran out). ``step`` is the
+    step's number (1 = the first); ``first_update``: the optimizer had no state yet (its first update: the peak held
+    no optimizer state)."""
 
     step: int
     budget_bytes: int
     peak_bytes: int | None = None
     error: str | None = None
     first_update: bool = False
+    rank: int | None = None
 
     @property
     def reason(self) -> str:
         """In words, for the log line and errors."""
         if self.peak_bytes is not None:
             return f"the step's peak {size(self.peak_bytes)} exceeded the budget {size(self.budget_bytes)}"
-        return f"out of memory ({self.error or 'no message'})"
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        return f"out of memory{where} ({self.error or 'no message'})"
 
 
 @dataclass(frozen=True)
@@ -128,17 +137,22 @@ class Replanner(Protocol):
         ...
 
 
+def _first_line(err: BaseException) -> str | None:
+    return str(err).splitlines()[0] if str(err) else None
+
+
 class StepRetry:
     """Runs a training step under the watch: `attempt` retries a step until it fits or the bound is reached.
 
     ``log`` receives the one line per re-plan or relax (`FinetuneRecipe` points it at its reporter); ``replans``
     counts the re-plans of this run (kept across resumes through `state_dict`). ``relax_after_steps``: the stable
-    stretch after which a plan may be relaxed (`remat.recipes.relax`; None: never).
+    stretch after which a plan may be relaxed (`remat.recipes.relax`; None: never). ``notes_dir``: where a rank of
+    several that runs out of memory leaves its note for the restarted run (the checkpoint directory; None: none).
     """
 
     def __init__(self, replanner: Replanner, *, max_replans: int, setup: DistributedSetup, model: nn.Module,
                  meter: StepMemoryMeter, optimizer: torch.optim.Optimizer,
-                 relax_after_steps: int | None = None) -> None:
+                 relax_after_steps: int | None = None, notes_dir: Path | None = None) -> None:
         self.replanner = replanner
         self.max_replans = max_replans
         self.setup = setup
@@ -148,6 +162,7 @@ class StepRetry:
         self.log: Callable[[str], None] = logger.info
         self.replans = 0
         self.relax = RelaxWatch(relax_after_steps, self._relax)
+        self.notes_dir = notes_dir
         self._phase: str | None = None
         self._peak: int | None = None
 
@@ -182,13 +197,61 @@ class StepRetry:
             except StepOverBudget as over:
                 overshoot = Overshoot(step, self.budget_bytes, peak_bytes=over.peak_bytes, first_update=first_update)
             except OUT_OF_MEMORY as err:
-                if self._phase == UPDATE_PHASE or self.setup.is_distributed:
-                    raise  # the update may be half applied, or the other ranks wait in a collective
-                overshoot = Overshoot(step, self.budget_bytes, error=str(err).splitlines()[0] if str(err) else None,
-                                      first_update=first_update)
+                if self._phase == UPDATE_PHASE:
+                    raise  # the update may be half applied
+                if self.setup.is_distributed:  # the other ranks wait in a collective: re-planned after a restart
+                    self._leave_note(step, err, first_update)
+                    raise
+                overshoot = Overshoot(step, self.budget_bytes, error=_first_line(err), first_update=first_update)
             self._free()
             self._replan(overshoot)
             restore_rng_state(rng)
+
+    def _leave_note(self, step: int, err: BaseException, first_update: bool) -> None:
+        """One rank of several ran out of memory before its update: write what the restarted run re-plans from, and
+        say so on the error and in the log (every rank's log: the others may not know why the run ended)."""
+        if self.notes_dir is None:
+            return
+        note = OutOfMemoryNote(step=step, rank=self.setup.rank, error=_first_line(err) or "no message",
+                               first_update=first_update, replans=self.replans, planner=self.replanner.state_dict(),
+                               relax=self.relax.state_dict(), generation=restart_generation())
+        try:
+            path = write_note(self.notes_dir, note)
+        except OSError as write_err:
+            logger.error("rank %d ran out of memory at step %d and could not write its re-plan note into %s: %s",
+                         note.rank, step, self.notes_dir, write_err)
+            return
+        left = restarts_left()
+        then = (f"torchrun restarts the workers ({left} restart(s) left): they resume from the newest checkpoint and "
+                f"re-plan from it before step {step}" if left else
+                "no restart is left (torchrun --max-restarts): run the same command again to resume from the newest "
+                "checkpoint and re-plan from it")
+        message = (f"rank {note.rank} ran out of memory at step {step} before its update; its peers wait in the "
+                   f"step's collectives, so the step cannot be retried in place. Wrote {path}: {then}")
+        logger.error(message)
+        err.add_note(f"remat: {message}")
+
+    def replan_after_restart(self, note: OutOfMemoryNote | None, resumed_step: int) -> None:
+        """Before the first step of a restarted run (every rank, with the same ``note``: the newest pending one, read
+        by rank 0): take the re-planning state the failed run had and re-plan from its out-of-memory error, as a
+        single process would have; the run then continues from ``resumed_step``. A note of another budget is
+        ignored (this run plans for its own)."""
+        if note is None:
+            return
+        if note.planner.get("budget_bytes") != self.budget_bytes:
+            self.log(f"re-plan: ignored the out-of-memory note of step {note.step} (rank {note.rank}): it was planned "
+                     f"for another budget; this run keeps its plan for {size(self.budget_bytes)}")
+            return
+        self.replans = note.replans
+        self.relax.load_state_dict(note.relax)
+        policy = self.replanner.load_state_dict(note.planner)
+        if policy is not None:  # the plan that failed (re-planned or relaxed after the checkpoint resumed from)
+            self.setup.replace_checkpointing(self.model, policy)
+        overshoot = Overshoot(note.step, self.budget_bytes, error=note.error, first_update=note.first_update,
+                              rank=note.rank)
+        rng = capture_rng_state()  # planning in this process may draw random numbers: the run's stay as they were
+        self._replan(overshoot, then=f"the workers were restarted: resuming after step {resumed_step}")
+        restore_rng_state(rng)
 
     def _free(self) -> None:
         """Drop what the failed attempt left: gradients, unreachable activations, CUDA's cached blocks."""
@@ -197,7 +260,7 @@ class StepRetry:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
-    def _replan(self, overshoot: Overshoot) -> None:
+    def _replan(self, overshoot: Overshoot, *, then: str | None = None) -> None:
         if self.replans >= self.max_replans:
             raise self._exhausted(overshoot)
         try:
@@ -210,7 +273,8 @@ class StepRetry:
         self.replans += 1
         stops = "; relaxing stops for this run" if self.relax.after_replan() else ""
         self.log(f"re-plan {self.replans}/{self.max_replans} at step {overshoot.step}: {overshoot.reason}; "
-                 f"activation checkpointing {replan.old} -> {replan.new}; retrying step {overshoot.step}{stops}")
+                 f"activation checkpointing {replan.old} -> {replan.new}; {then or f'retrying step {overshoot.step}'}"
+                 f"{stops}")
 
     def _relax(self, stretch: Stretch) -> bool:
         """Ask for a relaxed plan (every rank together, after ``stretch``); swap it in and say so. True when

@@ -38,6 +38,7 @@ from remat.recipes.training_state.layout import (
     read_marker,
     step_directories,
 )
+from remat.recipes.training_state.oom_notes import NOTE_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ T = TypeVar("T")
 SUPERSEDED_PREFIX = ".superseded-"
 BROKEN_PREFIX = ".broken-"
 #: What ``checkpoint.resume: restart`` moves aside: step directories, the pointer and leftovers of interrupted saves.
-_MOVED_PREFIXES = (".tmp-step_", f".{LATEST_FILE}.tmp-")
+_MOVED_PREFIXES = (".tmp-step_", f".{LATEST_FILE}.tmp-", NOTE_PREFIX)
 _MAX_REASON_CHARS = 240
 
 
