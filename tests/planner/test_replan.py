@@ -296,7 +296,8 @@ def test_a_restarted_run_replans_from_an_out_of_memory_note_before_its_first_ste
     data = recipe(tmp_path, policy=right.to_dict())
     checkpoints = Path(data["output_dir"]) / "checkpoints"
     write_note(checkpoints, OutOfMemoryNote(step=2, rank=1, error="CUDA out of memory (injected)",
-                                            first_update=False, replans=0, planner=failed.state_dict()))
+                                            first_update=False, replans=0, budget_bytes=failed.budget_bytes,
+                                            planner=failed.state_dict()))
     adapter = PlanAdapter(lambda: planner, budget_bytes=budget, policy=right)
     job, result = train(data, replanner=adapter)
     out = capsys.readouterr().out

@@ -27,7 +27,7 @@ from remat.recipes.training_state.verify import supersede_checkpoints
 
 def note(step: int, *, rank: int = 1, replans: int = 0, generation: int = 0) -> OutOfMemoryNote:
     return OutOfMemoryNote(step=step, rank=rank, error="CUDA out of memory", first_update=False, replans=replans,
-                           planner={"policy": {"mode": "none"}, "budget_bytes": 1000}, generation=generation)
+                           budget_bytes=1000, planner={"policy": {"mode": "none"}}, generation=generation)
 
 
 def test_a_note_round_trips_and_the_newest_pending_one_is_chosen(tmp_path: Path) -> None:

@@ -213,7 +213,8 @@ class StepRetry:
         if self.notes_dir is None:
             return
         note = OutOfMemoryNote(step=step, rank=self.setup.rank, error=_first_line(err) or "no message",
-                               first_update=first_update, replans=self.replans, planner=self.replanner.state_dict(),
+                               first_update=first_update, replans=self.replans, budget_bytes=self.budget_bytes,
+                               planner=self.replanner.state_dict(),
                                relax=self.relax.state_dict(), generation=restart_generation())
         try:
             path = write_note(self.notes_dir, note)
@@ -238,7 +239,7 @@ class StepRetry:
         ignored (this run plans for its own)."""
         if note is None:
             return
-        if note.planner.get("budget_bytes") != self.budget_bytes:
+        if note.budget_bytes != self.budget_bytes:
             self.log(f"re-plan: ignored the out-of-memory note of step {note.step} (rank {note.rank}): it was planned "
                      f"for another budget; this run keeps its plan for {size(self.budget_bytes)}")
             return

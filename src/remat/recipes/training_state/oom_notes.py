@@ -39,9 +39,9 @@ class OutOfMemoryNote:
     """What a rank that ran out of memory before its update leaves for the restarted run.
 
     ``step``: the step that failed (1 = the first); ``rank``; ``error``: the error's first line; ``first_update``:
-    the optimizer had no state yet; ``replans``: the run's re-plans before this one; ``planner`` and ``relax``: the
-    replanner's and the relax watch's state when it failed (`remat.recipes.replan.StepRetry.state_dict`);
-    ``generation``: torchrun's restart count of the failed worker.
+    the optimizer had no state yet; ``replans``: the run's re-plans before this one; ``budget_bytes``: the budget
+    the run was held to; ``planner`` and ``relax``: the replanner's and the relax watch's state when it failed
+    (`remat.recipes.replan.StepRetry.state_dict`); ``generation``: torchrun's restart count of the failed worker.
     """
 
     step: int
@@ -49,6 +49,7 @@ class OutOfMemoryNote:
     error: str
     first_update: bool
     replans: int
+    budget_bytes: int
     planner: dict[str, Any] = field(default_factory=dict)
     relax: dict[str, Any] = field(default_factory=dict)
     generation: int = 0
