@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -99,3 +99,20 @@ def reap_leftovers(value: str, grace_s: float = 10.0) -> dict[int, str]:
     for pid in left:
         end_tree(pid)
     return left
+
+
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Fail the block (AssertionError) if it runs longer than ``seconds``: for code that must never block, such as
+    reading a FIFO planted where a file was expected (SIGALRM interrupts a blocking open or read). Main thread only."""
+
+    def expired(signum: int, frame: object) -> None:
+        raise AssertionError(f"still running after {seconds:g} s: it blocked")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

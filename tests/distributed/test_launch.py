@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from processes import run_bounded
+from processes import descendants, end_tree, run_bounded
 
 from remat.cli import build_parser, main
 from remat.distributed.launch import LaunchOptions, check_launch_environment, share_store_off
 from remat.errors import ConfigError
+from remat.recipes.run_lock import refuse_if_held
 from remat.recipes.training_state import checkpoint_layout, find_latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +84,12 @@ def test_layout_errors_come_before_any_worker_starts(overrides: list[str], messa
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp2_example_runs_on_two_processes(tmp_path: Path, remat_cache: Path) -> None:
+    """Run from a directory that holds a ``yaml.py`` and a ``safetensors.py`` that would leave a marker if imported:
+    the workers never import from the working directory (``python -P``), so neither runs."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "remat.cli", "finetune", str(FSDP2_EXAMPLE), "--nproc-per-node", "2",
+    for shadow in ("yaml", "safetensors"):
+        (tmp_path / f"{shadow}.py").write_text(f"open({str(tmp_path / ('imported-' + shadow))!r}, 'w').close()\n")
+    command = [str(Path(sys.executable).parent / "remat"), "finetune", str(FSDP2_EXAMPLE), "--nproc-per-node", "2",
                "--output_dir", str(out), "--tokenizer.vocab_size", "512", "--dataset.seq_length", "64",
                "--validation_dataset.seq_length", "64", "--model.config", "{num_hidden_layers: 2}",
                "--step_scheduler.max_steps", "3", "--step_scheduler.val_every_steps", "3",
@@ -94,7 +102,9 @@ def test_fsdp2_example_runs_on_two_processes(tmp_path: Path, remat_cache: Path) 
     assert sum(line.startswith("distributed: fsdp2 over 2 processes (dp 2)") for line in lines) == 1
     assert sum("the maximum over the 2 ranks" in line for line in lines) == 1
     assert "global batch 16 = local 4 x dp 2 x accumulation 2" in proc.stdout
-    assert "launching: torchrun --nproc-per-node 2 --standalone -m remat.cli" in proc.stderr
+    assert f"launching: torchrun --nproc-per-node 2 --standalone --no-python {sys.executable} -P -u -m remat.cli" \
+        in proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("imported-*")) == []
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if row["kind"] == "train"] == [1, 2, 3]
     latest = find_latest_checkpoint(out / "checkpoints")
@@ -150,3 +160,57 @@ def test_restarts_over_several_nodes_get_a_new_store_per_round() -> None:
         before = dict(env)
         assert share_store_off(options(*flags), env) is False
         assert env == before
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc (Linux)")
+def test_workers_stop_and_save_when_the_launcher_is_killed(tmp_path: Path, remat_cache: Path) -> None:
+    """kill -9 of the ``remat`` launcher: both workers notice their parent is gone, finish the step, save, release
+    the run's lock and exit, instead of running on as orphans."""
+    out = tmp_path / "run"
+    command = [str(Path(sys.executable).parent / "remat"), "finetune", str(ROOT / "examples" / "ddp_quickstart.yaml"),
+               "--nproc-per-node", "2", "--output_dir", str(out), "--tokenizer.vocab_size", "512",
+               "--dataset.seq_length", "32", "--validation_dataset", "null", "--step_scheduler.val_every_steps", "null",
+               "--step_scheduler.val_batches", "null", "--model.config", "{num_hidden_layers: 1}",
+               "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "100000",
+               "--logging.progress", "plain"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=os.environ)
+    lines: list[str] = []
+    try:
+        assert launcher.stdout is not None
+        deadline = time.monotonic() + 300
+        for line in launcher.stdout:
+            lines.append(line)
+            if line.startswith("step 2 |") or time.monotonic() > deadline:
+                break
+        workers = [pid for pid in descendants(launcher.pid) if "remat.cli" in _cmdline(pid)]
+        assert len(workers) == 2, "".join(lines[-40:])
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        rest = launcher.stdout.read()  # the workers still write to the pipe until they end
+        ended = time.monotonic() + 60
+        while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers):
+            assert time.monotonic() < ended, f"workers {workers} still run 60 s after their launcher died:\n{rest}"
+            time.sleep(0.5)
+    finally:
+        end_tree(launcher.pid)
+    assert "the launcher" in rest and "is gone: stopping after the current step" in rest
+    saved = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")]
+    assert saved, rest[-3000:]
+    refuse_if_held({"output_dir": out})  # the lock was released: no error
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"

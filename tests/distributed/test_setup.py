@@ -57,6 +57,24 @@ def test_process_env_reads_torchrun_variables() -> None:
     assert under_torchrun(TORCHRUN_ENV) and not under_torchrun({"RANK": "0"})
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    (TORCHRUN_ENV | {"RANK": "abc"}, "environment: RANK='abc' is not a process count or rank"),
+    (TORCHRUN_ENV | {"WORLD_SIZE": "0"}, "environment: WORLD_SIZE=0 is impossible with WORLD_SIZE=0"),
+    (TORCHRUN_ENV | {"LOCAL_RANK": "-1"}, "environment: LOCAL_RANK=-1 is impossible with WORLD_SIZE=4 and "
+                                          "LOCAL_WORLD_SIZE=2; allowed: 0 .. 1"),
+    (TORCHRUN_ENV | {"RANK": "4"}, "environment: RANK=4 is impossible with WORLD_SIZE=4"),
+    (TORCHRUN_ENV | {"LOCAL_WORLD_SIZE": "8"}, "environment: LOCAL_WORLD_SIZE=8 is impossible"),
+    ({"WORLD_SIZE": "2"}, "environment: WORLD_SIZE=2 asks for several processes, but RANK, LOCAL_RANK, "
+                          "LOCAL_WORLD_SIZE are not set"),
+    ({"WORLD_SIZE": "2\x1b[31m"}, r"environment: WORLD_SIZE='2\\x1b[31m' is not a process count or rank"),
+])
+def test_launcher_variables_that_make_no_sense_are_one_line(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ProcessEnv.from_environ(env)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert ProcessEnv.from_environ({"WORLD_SIZE": "1"}) == ProcessEnv()  # set by some tools for one process
+
+
 def test_single_strategy_under_torchrun_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)

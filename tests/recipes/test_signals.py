@@ -1,4 +1,5 @@
-"""`remat finetune` stopped by a signal: says so at once, saves after the step, exits 130 (SIGINT) or 143 (SIGTERM)."""
+"""`remat finetune` stopped by a signal: says so at once, saves after the step, exits 130 (SIGINT), 143 (SIGTERM) or
+129 (SIGHUP: a closed terminal)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ RECIPE = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_signal_saves_and_exits_with_128_plus_signal(sig: signal.Signals, tmp_path: Path) -> None:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(RECIPE | {"output_dir": str(tmp_path / "run")}))

@@ -51,6 +51,10 @@ def register(subparsers: Any) -> None:
                         help="start over at step 0: move the checkpoints already in checkpoint_dir into "
                              "checkpoint_dir/.superseded-<time>/ (nothing is deleted); same as "
                              "--checkpoint.resume restart. For one invocation: a requeued job must not repeat it")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let the model's own Python files run (transformers' trust_remote_code, for a model "
+                             "directory or Hub repository whose config.json has an auto_map); a recipe file alone "
+                             "cannot switch this on. Same as --model.trust_remote_code true")
     add_launch_arguments(parser)
 
 
@@ -61,6 +65,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     options = LaunchOptions.from_namespace(args)
     options.check()  # impossible launcher values are refused before anything is read or started
     overrides = restart_overrides(overrides) if args.restart else list(overrides)
+    if args.trust_remote_code:  # the workers get it as the override, which the recipe loader accepts
+        overrides += ["--model.trust_remote_code", "true"]
     data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
     planned = asks_for_auto(data)
     cfg = None if planned else validate_recipe(data)
@@ -94,6 +100,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             with _workers_told_auto(planned):
                 return launch(options, worker)
     process = ProcessEnv.from_environ()
+    if process.launched:  # a kill -9 of the launcher must not leave this worker running
+        from remat.distributed.launch import stop_with_launcher
+
+        stop_with_launcher()
     if process.rank != 0:  # only rank 0 reports; the others say only what goes wrong
         logging.getLogger("remat").setLevel(logging.WARNING)
     note = single_process_note(cfg.distributed.strategy, process.world_size, args.recipe)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from remat.distributed.choices import DEVICE_CHOICES
 from remat.distributed.rendezvous import INIT_TIMEOUT_S, join_process_group
+from remat._files import printable
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,16 +41,43 @@ class ProcessEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ProcessEnv:
         """Read the torchrun variables; a process without them is rank 0 of 1."""
         env = os.environ if environ is None else environ
-        if not under_torchrun(env):
+        values = {name: _count(env, name) for name in TORCHRUN_VARIABLES if name in env}
+        missing = [name for name in TORCHRUN_VARIABLES if name not in values]
+        if missing:
+            if values.get("WORLD_SIZE", 1) > 1:
+                raise ConfigError(
+                    f"environment: WORLD_SIZE={values['WORLD_SIZE']} asks for several processes, but "
+                    f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so no launcher started "
+                    "this one; start the workers with torchrun (remat finetune RECIPE --nproc-per-node N), or unset "
+                    "WORLD_SIZE to train in one process")
             return cls()
-        values = {}
-        for name in TORCHRUN_VARIABLES:
-            try:
-                values[name] = int(env[name])
-            except ValueError as err:
-                raise RuntimeError(f"environment variable {name}={env[name]!r} is not an integer") from err
-        return cls(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"],
-                   local_world_size=values["LOCAL_WORLD_SIZE"], launched=True)
+        process = cls(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"],
+                      local_world_size=values["LOCAL_WORLD_SIZE"], launched=True)
+        process._check()
+        return process
+
+    def _check(self) -> None:
+        """ConfigError naming the variable when the launcher's numbers contradict each other."""
+        for name, value, bound in (("WORLD_SIZE", self.world_size, None), ("LOCAL_WORLD_SIZE", self.local_world_size,
+                                   self.world_size), ("RANK", self.rank, self.world_size),
+                                   ("LOCAL_RANK", self.local_rank, self.local_world_size)):
+            low = 1 if name.endswith("SIZE") else 0
+            high = bound if name.endswith("SIZE") else (bound - 1 if bound is not None else None)
+            if value < low or (high is not None and value > high):
+                allowed = f"{low} .. {high}" if high is not None else f"{low} or more"
+                raise ConfigError(f"environment: {name}={value} is impossible with WORLD_SIZE={self.world_size} and "
+                                  f"LOCAL_WORLD_SIZE={self.local_world_size}; allowed: {allowed} (torchrun sets these: "
+                                  "start the workers with remat finetune RECIPE --nproc-per-node N)")
+
+
+def _count(env: Mapping[str, str], name: str) -> int:
+    """The integer in the environment variable `name`; ConfigError naming it when it holds anything else."""
+    text = env[name].strip()
+    if not (text.isdigit() or (text.startswith("-") and text[1:].isdigit())) or len(text) > 9:
+        raise ConfigError(f"environment: {name}={printable(env[name], 40)!r} is not a process count or rank; torchrun "
+                          "sets it to an integer: start the workers with remat finetune RECIPE --nproc-per-node N, or "
+                          f"unset {name} to train in one process")
+    return int(text)
 
 
 def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:

@@ -13,6 +13,9 @@ import logging
 import os
 import re
 import signal
+import sys
+import threading
+import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -20,6 +23,9 @@ from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+#: Interpreter flags of every Python process remat starts: no working directory on the import path (``-P``, Python
+#: 3.11+), unbuffered output (what torchrun gives its workers).
+SAFE_PYTHON_FLAGS: tuple[str, ...] = ("-P", "-u")
 #: --nproc-per-node values torchrun accepts besides a positive integer.
 NPROC_KEYWORDS: tuple[str, ...] = ("auto", "gpu", "cpu")
 MAX_PORT = 65535
@@ -140,7 +146,7 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
 
     options.check()
     share_store_off(options)
-    argv = [*options.torchrun_args(), *worker_args]
+    argv = [*options.torchrun_args(), *worker_command(worker_args)]
     logger.info("launching: torchrun %s", " ".join(argv))
     try:
         torchrun.main(argv)
@@ -152,6 +158,35 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
         logger.warning("stopped by %s: the workers were asked to stop", signal.Signals(err.sigval).name)
         return 128 + int(err.sigval)
     return 0
+
+
+def worker_command(python_args: Sequence[str]) -> list[str]:
+    """torchrun's tail that starts each worker as ``python -P -u <python_args>``: ``-P`` keeps the working directory
+    off the worker's import path, so a ``yaml.py`` or ``torch.py`` lying where the user ran the command is never
+    imported in place of the real module (``python -m`` would put that directory first). torchrun's own ``-m`` has
+    no way to pass an interpreter flag, hence ``--no-python`` with the interpreter named (``PYTHON_EXEC`` honoured,
+    as torchrun honours it)."""
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    return ["--no-python", python, *SAFE_PYTHON_FLAGS, *python_args]
+
+
+def stop_with_launcher(interval_s: float = 1.0) -> threading.Thread:
+    """In a worker: a daemon thread that sends this process SIGTERM once its parent (the launcher: ``remat`` or
+    torchrun) is gone, so a ``kill -9`` of the launcher does not leave orphans holding the devices and the run's lock.
+    SIGTERM is the stop a run already answers: finish the step, save, release the lock, exit 143. Polling the
+    parent's pid is portable; Linux's parent-death signal fires when the launching *thread* ends, which is not the
+    launcher's death under torchrun's agent."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        logger.warning("the launcher (pid %d) is gone: stopping after the current step", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="remat-launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def share_store_off(options: LaunchOptions, environ: MutableMapping[str, str] | None = None) -> bool:

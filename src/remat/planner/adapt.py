@@ -177,13 +177,13 @@ _LAUNCH_VARIABLES: Final[tuple[str, ...]] = ("RANK", "LOCAL_RANK", "WORLD_SIZE",
 def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any],
                   request: dict[str, Any]) -> tuple[Replan | str, dict[str, Any]]:
     """`PlanAdapter.replan` (``request``: ``{"overshoot": ...}``) or `PlanAdapter.relax` (``{"stretch": ...}``)
-    run by ``python -m remat.planner.adapt`` in a child process without a process group (with this process's import
-    path): returns the answer and the adapter's new state; `ConfigError` with the child's message when it finds no
+    run by ``python -P -m remat.planner.adapt`` in a child process without a process group (with this process's
+    import path, and not its working directory: `remat.distributed.launch.SAFE_PYTHON_FLAGS`): returns the answer and the adapter's new state; `ConfigError` with the child's message when it finds no
     plan, `RuntimeError` with its output when it fails otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     message = json.dumps({"recipe": recipe, "world_size": world_size, "state": state, **request})
-    proc = subprocess.run([sys.executable, "-m", "remat.planner.adapt"], input=message, capture_output=True,
+    proc = subprocess.run([sys.executable, "-P", "-m", "remat.planner.adapt"], input=message, capture_output=True,
                           text=True, env=env, check=False)
     lines = proc.stdout.strip().splitlines()
     answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None

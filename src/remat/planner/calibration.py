@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from remat._files import write_atomic
 from remat.errors import ConfigError
 
 METHODS: Final[tuple[str, ...]] = ("recompute-fit", "whole-step")
@@ -104,7 +105,7 @@ def write_calibration(calibration: Calibration, path: str | Path) -> Path:
     """Write ``calibration`` as JSON to ``path`` (folders made as needed)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(calibration.to_dict(), indent=2) + "\n")
+    write_atomic(out, json.dumps(calibration.to_dict(), indent=2) + "\n", "calibration file")
     return out
 
 

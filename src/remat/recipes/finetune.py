@@ -3,7 +3,7 @@
 ``FinetuneRecipe(cfg).run()`` is what ``remat finetune recipe.yaml`` does. The loop per optimizer step: draw the
 micro-batches of one global batch, count their label tokens, run forward+backward on each (the loss is normalised by
 the step's total label tokens, so accumulation equals one big batch), clip, step, log one line, and maybe validate
-and save. SIGTERM/SIGINT finish the current step, save a checkpoint and stop cleanly.
+and save. SIGTERM/SIGINT/SIGHUP finish the current step, save a checkpoint and stop cleanly.
 
 Under torchrun (``distributed.strategy`` ddp or fsdp2) every rank runs this loop on its own shard of each global
 batch: the label-token count that normalises the loss is summed over the data-parallel ranks first, so the loss and
@@ -76,8 +76,8 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        """0 for a run that ended by itself; 128 + the signal's number (130 SIGINT, 143 SIGTERM) for one a signal
-        stopped, as shells and job schedulers expect, even though it saved and stopped cleanly."""
+        """0 for a run that ended by itself; 128 + the signal's number (130 SIGINT, 143 SIGTERM, 129 SIGHUP) for one a
+        signal stopped, as shells and job schedulers expect, even though it saved and stopped cleanly."""
         return 128 + self.stop_signal if self.stop_signal is not None else 0
 
 
@@ -477,10 +477,16 @@ def _seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
+#: The signals that stop a run after its current step, with a checkpoint (SIGHUP where the platform has one).
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT,
+                                 *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
+
+
 @contextlib.contextmanager
 def _stop_on_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
-    """On the first SIGTERM/SIGINT call ``on_signal`` (the loop stops after the current step); a second one stops at
-    once: SIGINT raises KeyboardInterrupt, SIGTERM takes its default action. Checkpoints are written to a temporary
+    """On the first SIGTERM/SIGINT/SIGHUP call ``on_signal`` (the loop stops after the current step); a second one
+    stops at once: SIGINT raises KeyboardInterrupt, SIGTERM and SIGHUP take their default action. SIGHUP (a closed
+    terminal, some job managers) is a request to stop like SIGTERM, not a reason to lose the steps since the last save. Checkpoints are written to a temporary
     directory and renamed when complete, so stopping at once never breaks the last complete one."""
     previous: dict[int, Any] = {}
 
@@ -489,7 +495,7 @@ def _stop_on_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             previous[sig] = signal.signal(sig, handler)
     except ValueError:  # not in the main thread: leave signals alone
         previous.clear()

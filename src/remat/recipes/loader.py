@@ -55,6 +55,8 @@ RUNNER_ONLY_KEYS: dict[str, str] = {
     "custom_target_packages": "",
     "allow_custom_targets": " (this older key was a switch; it is now a list of the packages you trust)",
 }
+#: The command-line spelling of ``model.trust_remote_code: true`` (`remat finetune --trust-remote-code`).
+TRUST_REMOTE_CODE = "model.trust_remote_code"
 
 
 #: How YAML writes "no value": an override of a text key with one of these unsets it.
@@ -180,6 +182,8 @@ def load_recipe_data(path: str | Path,
     _refuse_runner_only_keys(data, path)
     pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
              else list(overrides))
+    if not any(key == TRUST_REMOTE_CODE for key, _ in pairs):
+        _refuse_remote_code(data, path)
     data = apply_overrides(data, pairs)  # type: ignore[arg-type]
     if data.get("output_dir") in (None, ""):  # each recipe file its own run directory (remat.recipes.resume_changes)
         data["output_dir"] = f"outputs/{Path(path).stem}"
@@ -194,6 +198,24 @@ def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:
                 f"itself, since a shared recipe could then run any code{note}. Remove it, and trust your own "
                 "package when you run the recipe: --custom_target_packages '[my_package]'"
             )
+
+
+def _refuse_remote_code(data: Mapping[str, Any], path: str | Path) -> None:
+    """A recipe file alone cannot switch on ``model.trust_remote_code``: in transformers that flag is the caller's
+    own opt-in, and a shared recipe pointing at a model directory with a ``modeling_*.py`` would run that file."""
+    model = data.get("model")
+    if not isinstance(model, Mapping) or model.get("trust_remote_code") in (None, False):
+        return
+    from remat.models.remote_code import remote_code_files
+
+    source = model.get("pretrained_model_name_or_path")
+    files = remote_code_files(source) if isinstance(source, str) else []
+    would_run = f"; it would run {', '.join(files)}" if files else ""
+    raise ConfigError(
+        f"{TRUST_REMOTE_CODE}: set to {model.get('trust_remote_code')!r} in the recipe file {str(path)!r}, which "
+        f"cannot switch on code shipped with a model{would_run}. If you trust that code, say so when you run it: "
+        "remat finetune RECIPE --trust-remote-code (or --model.trust_remote_code true)"
+    )
 
 
 def _check_targets(cfg: RecipeConfig) -> None:

@@ -11,10 +11,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from remat._files import write_atomic
 from remat.errors import ConfigError
 from remat.recipes.config import LoggingConfig, WandbConfig
+from remat.recipes.output_paths import WANDB_ID_FILE
 
-WANDB_ID_FILE = "wandb_run_id"
 
 
 class MetricSink(Protocol):
@@ -57,7 +58,7 @@ class WandbSink:
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         self._run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, tags=list(cfg.tags),
                                mode=cfg.mode, dir=str(output_dir), id=run_id, resume="allow", config=recipe)
-        id_file.write_text(run_id + "\n")
+        write_atomic(id_file, run_id + "\n", "logging.wandb run id file")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)

@@ -5,10 +5,21 @@ is one line naming the key, not a traceback after the model has been loaded."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat._files import kind_of, refuse_link, shown
 from remat.errors import ConfigError
+
+#: The files a run owns in its directories, besides the checkpoints themselves (written where named, never through a
+#: link planted there: `remat._files`).
+LOCK_FILE = ".remat.lock"
+REPORT_FILE = "report.png"
+WANDB_ID_FILE = "wandb_run_id"
+LATEST_FILE = "latest"
+#: The longest name of one path component on the file systems remat runs on (ext4, xfs, btrfs, NFS: 255 bytes).
+MAX_NAME_BYTES = 255
 
 
 @dataclass(frozen=True)
@@ -28,8 +39,14 @@ class OutputPaths:
                    metrics_file=root / metrics_file if metrics_file else None)
 
     def check(self) -> None:
-        """ConfigError naming the key when a path cannot be written; creates nothing (a refused run leaves no trace:
-        the directories are made when the run first writes to them)."""
+        """ConfigError naming the key when a path cannot be written, or when a file the run writes there is a
+        symbolic link or not a regular file (planted links are never written through); creates nothing (a refused
+        run leaves no trace: the directories are made when the run first writes to them)."""
+        check_path_text(self.output_dir, "output_dir")
+        if self.checkpoint_dir is not None:
+            check_path_text(self.checkpoint_dir, "checkpoint.checkpoint_dir")
+        if self.metrics_file is not None:
+            check_path_text(self.metrics_file, "logging.metrics_file")
         check_writable_dir(self.output_dir, "output_dir")
         if self.checkpoint_dir is not None:
             check_writable_dir(self.checkpoint_dir, "checkpoint.checkpoint_dir")
@@ -38,6 +55,34 @@ class OutputPaths:
             if self.metrics_file.exists() and not self.metrics_file.is_file():
                 raise ConfigError(f"logging.metrics_file: {str(self.metrics_file)!r} exists and is not a file; "
                                   "give a file name (metrics are appended to it as JSON lines)")
+        for path, what in self.owned_files():
+            refuse_link(path, what)
+            if path.exists() and not path.is_file():
+                raise ConfigError(f"{what} {shown(path)} is {kind_of(path.stat().st_mode)}; remat writes "
+                                  "a regular file there: move it away, or use another output_dir")
+
+    def owned_files(self) -> Iterator[tuple[Path, str]]:
+        """The files a run writes directly in its directories (not inside checkpoints), with what each is."""
+        yield self.output_dir / LOCK_FILE, "run lock"
+        yield self.output_dir / REPORT_FILE, "run report"
+        yield self.output_dir / WANDB_ID_FILE, "logging.wandb run id file"
+        if self.metrics_file is not None:
+            yield self.metrics_file, "logging.metrics_file"
+        if self.checkpoint_dir is not None:
+            yield self.checkpoint_dir / LOCK_FILE, "run lock"
+            yield self.checkpoint_dir / LATEST_FILE, "checkpoint pointer"
+
+
+def check_path_text(path: Path, key: str) -> None:
+    """ConfigError naming ``key`` for a path no file system takes: a NUL byte, or a part longer than 255 bytes."""
+    text = str(path)
+    if "\x00" in text:
+        raise ConfigError(f"{key}: {shown(text)} holds a NUL byte, which no path can; allowed: a path without one")
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > MAX_NAME_BYTES:
+            raise ConfigError(f"{key}: the part {shown(part, 60)} of the path is {size} bytes long; allowed: at "
+                              f"most {MAX_NAME_BYTES} bytes per file or directory name")
 
 
 def check_writable_dir(path: Path, key: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from remat._files import open_append
 from remat.recipes.config import LoggingConfig
 from remat.recipes.metric_sinks import MetricSink, open_sinks
 
@@ -80,7 +81,7 @@ class RunReporter:
             self._progress.start()
         if cfg.metrics_file:
             (output_dir / cfg.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(output_dir / cfg.metrics_file, "a", encoding="utf-8")
+            self._metrics = open_append(output_dir / cfg.metrics_file, "logging.metrics_file")
         self._sinks = open_sinks(cfg, output_dir, recipe, start_step=start_step)
 
     def info(self, message: str) -> None:

@@ -30,15 +30,16 @@ from typing import IO, Any, TypeVar
 
 import torch.distributed as dist
 
+from remat._files import open_append
 from remat.errors import ConfigError
 from remat.recipes.config import RecipeConfig
+from remat.recipes.output_paths import LOCK_FILE
 
 try:
     import fcntl
 except ImportError:  # not a POSIX system: no locks, see `_lock_unsupported`
     fcntl = None  # type: ignore[assignment]
 
-LOCK_FILE = ".remat.lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _COMMAND_CHARS = 300
 
@@ -204,7 +205,7 @@ def _lock_one(key: str, directory: Path, me: LockHolder, locks: RunLocks) -> Loc
     path = directory / LOCK_FILE
     existed = path.exists()
     times = (path.stat().st_atime_ns, path.stat().st_mtime_ns) if existed else (0, 0)
-    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+    handle = open_append(path, "run lock", read=True)  # held for the run; never through a planted link
     unsupported = _flock_or_refuse(key, directory, handle)
     if unsupported is not None:
         _lock_unsupported(key, directory, unsupported, locks)

@@ -10,6 +10,7 @@ is the one shown, and steps that an earlier attempt trained beyond where a later
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
@@ -17,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from remat._files import write_atomic
 from remat.errors import ConfigError
+from remat.recipes.output_paths import REPORT_FILE
 
 GIB = 1024**3
-REPORT_FILE = "report.png"
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,10 @@ def plot_run(train: list[dict[str, Any]], val: list[dict[str, Any]], path: Path,
     fig.suptitle(title or "remat run")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=100, format="png")
     plt.close(fig)
+    write_atomic(path, buffer.getvalue(), "run report", durable=False)
     return path
 
 

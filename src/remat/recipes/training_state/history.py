@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from remat._files import write_atomic
 from remat.errors import ConfigError
 from remat.recipes.training_state.layout import (
     _STEP_DIR,
@@ -58,7 +59,7 @@ def keep_newer_checkpoints(root: Path, resumed: Path, *, policy: str, attempt: i
     note = {"archived": [p.name for p in newer], "resumed_from": str(resumed), "attempt": attempt,
             "latest_was": _read_text(root / LATEST_FILE),
             "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    (target / ARCHIVE_NOTE).write_text(json.dumps(note, indent=2) + "\n")
+    write_atomic(target / ARCHIVE_NOTE, json.dumps(note, indent=2) + "\n", "archive note")
     # `latest` first: if the moves below are interrupted, the next resume sees the newer steps and refuses again.
     if resumed.resolve().parent == root.resolve():
         atomic_write_text(root / LATEST_FILE, resumed.name + "\n")

@@ -18,6 +18,7 @@ import os
 import random
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from remat._files import fsync_path, kind_of, printable, read_regular_bytes, write_atomic
 from remat.errors import ConfigError
+from remat.recipes.output_paths import LATEST_FILE
 from remat.recipes.training_state.digest import HASH_ALGORITHM, digests
 
 logger = logging.getLogger(__name__)
@@ -37,7 +40,6 @@ logger = logging.getLogger(__name__)
 # than an optional key added so that a format-2 marker missing a file's hash is broken, not silently unverified.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
-LATEST_FILE = "latest"
 COMPLETE_MARKER = "COMPLETE.json"
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
@@ -119,13 +121,31 @@ def incomplete_reason(path: Path) -> str | None:
     records = marker_records(marker)
     if not records:
         return f"{COMPLETE_MARKER} lists no files"
+    outside = next((rel for rel in records if not _inside(rel)), None)
+    if outside is not None:
+        return f"{COMPLETE_MARKER} names {printable(outside, 80)!r}, a path outside the checkpoint (refused unread)"
+    root = path.resolve()
     for rel, (size, _) in records.items():
         file = path / rel
-        if not file.is_file():
+        try:
+            info = file.lstat()
+        except OSError:
             return f"{rel} is missing"
-        if file.stat().st_size != size:
-            return f"{rel} has {file.stat().st_size} bytes, {COMPLETE_MARKER} says {size}"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{rel} is {kind_of(info.st_mode)}; a checkpoint holds regular files only"
+        if not file.resolve().is_relative_to(root):  # a linked folder on the way
+            return f"{rel} lies outside the checkpoint (through a symbolic link; refused unread)"
+        if info.st_size != size:
+            return f"{rel} has {info.st_size} bytes, {COMPLETE_MARKER} says {size}"
     return None
+
+
+def _inside(rel: Any) -> bool:
+    """Whether a marker's file name stays inside its checkpoint: relative, '/'-separated, no '..', no empty part."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
+        return False
+    parts = rel.split("/")
+    return not rel.startswith("/") and all(part not in ("", ".", "..") for part in parts)
 
 
 def marker_records(marker: dict[str, Any]) -> dict[str, tuple[int, str | None]] | None:
@@ -246,18 +266,13 @@ def publish(tmp: Path, final: Path) -> Path:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
     return final
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
+    """`remat._files.write_atomic`: replaced in one step, never through a planted link."""
+    write_atomic(path, text, "checkpoint file")
 
 
 def prune(root: Path, keep_last: int, *, keep: Path) -> None:
@@ -303,39 +318,38 @@ def _pid_alive(pid: int) -> bool:
 
 def fsync_tree(directory: Path) -> None:
     for path in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        _fsync_path(path)
-    _fsync_path(directory)
-
-
-def _fsync_path(path: Path) -> None:
-    """Flush a file or directory entry to disk (directories cannot be opened for this on every OS)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        fsync_path(path)
+    fsync_path(directory)
 
 
 # ------------------------------------------------------------------------------------------------ reading
 
 
+#: A marker lists a few hundred files at most (a sharded save: a few per rank); far more is not one remat wrote.
+MAX_MARKER_BYTES = 64 * 1024**2
+
+
 def read_marker(path: Path) -> dict[str, Any] | None:
+    """The parsed ``COMPLETE.json`` of `path`, or None when it is missing, not a regular file (a FIFO never
+    blocks), too large, or not a JSON object."""
     try:
-        marker = json.loads((path / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
+        marker = json.loads(read_regular_bytes(path / COMPLETE_MARKER, "checkpoint marker", limit=MAX_MARKER_BYTES,
+                                               follow_symlinks=False))
+    except (ConfigError, OSError, ValueError, RecursionError):
         return None
     return marker if isinstance(marker, dict) else None
 
 
+def read_pointer(root: Path) -> str:
+    """The text of ``root/latest`` (a regular file, a few bytes); ConfigError or ValueError when it is not one."""
+    return read_regular_bytes(root / LATEST_FILE, "checkpoint pointer", limit=4096,
+                              follow_symlinks=False).decode("utf-8").strip()
+
+
 def _read_latest_pointer(root: Path) -> str | None:
     try:
-        name = (root / LATEST_FILE).read_text().strip()
-    except (OSError, ValueError):  # ValueError: bytes that are not text
+        name = read_pointer(root)
+    except (ConfigError, OSError, ValueError):  # ValueError: bytes that are not text
         return None
     return name if _STEP_DIR.match(name) else None
 

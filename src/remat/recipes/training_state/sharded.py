@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedModel
 
 from remat.errors import ConfigError
@@ -65,9 +66,14 @@ from remat.recipes.training_state.layout import (
     unwrap_model,
     write_marker,
 )
+from remat.recipes.training_state.dcp_reader import (
+    DCP_DIR,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    WeightsOnlyLoadPlanner,
+)
 from remat.recipes.training_state.verify import raise_if_unverified
 
-DCP_DIR = "dcp"
 RNG_DIR = "rng"
 
 
@@ -154,9 +160,14 @@ def load_sharded_checkpoint(
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = optim_state
+    reader = SafeFileSystemReader(path / DCP_DIR)
     try:
         with _single_process_is_intended():
-            dcp.load(state, checkpoint_id=path / DCP_DIR, no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
+    except CheckpointException as err:  # a BaseException: DCP wraps what each rank raised
+        raise reader.refusal or _first_failure(err) from None
+    except UnsafeCheckpointError:
+        raise
     except (RuntimeError, ValueError, KeyError) as err:
         raise ConfigError(f"checkpoint {path} does not fit this model/optimizer: {err}; build them the same way "
                           "as the run that saved it") from err
@@ -184,6 +195,20 @@ def export_full_model(model: nn.Module, directory: Path, *, tokenizer: Any | Non
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+def _first_failure(err: CheckpointException) -> Exception:
+    """The error one rank raised inside DCP, as an ordinary exception: an `UnsafeCheckpointError` as it is (the
+    checkpoint is damaged: resume moves on to an older one), a mismatch with the model as the ConfigError it is."""
+    for failure, _ in err.failures.values():
+        if isinstance(failure, (UnsafeCheckpointError, ConfigError)):
+            return failure
+    failure = next(iter(err.failures.values()))[0] if err.failures else err
+    text = " ".join(str(failure).split())[:300]
+    if isinstance(failure, (RuntimeError, ValueError, KeyError)) and not isinstance(failure, OSError):
+        return ConfigError(f"checkpoint does not fit this model/optimizer: {text}; build them the same way as the run "
+                           "that saved it")
+    return RuntimeError(f"reading the checkpoint failed with {type(failure).__name__}: {text}")
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -30,14 +30,17 @@ from remat.recipes.training_state.digest import HASH_ALGORITHM, digests
 from remat.recipes.training_state.layout import (
     COMPLETE_MARKER,
     LATEST_FILE,
+    LAYOUT_SHARDED,
     _step_of,
     atomic_write_text,
     incomplete_reason,
     is_step_name,
     marker_records,
     read_marker,
+    read_pointer,
     step_directories,
 )
+from remat.recipes.training_state.dcp_reader import DCP_DIR, metadata_problem
 from remat.recipes.training_state.oom_notes import NOTE_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,8 @@ def verify_checkpoint(path: Path) -> str | None:
     records = marker_records(marker) if marker is not None else None
     assert records  # incomplete_reason checked both
     if marker is not None and marker.get("format") == 1:
+        if marker.get("layout") == LAYOUT_SHARDED and (problem := metadata_problem(path / DCP_DIR)) is not None:
+            return problem
         logger.warning("%s: written before content hashes (%s format 1): sizes checked, contents unverified",
                        path, COMPLETE_MARKER)
         return None
@@ -70,6 +75,8 @@ def verify_checkpoint(path: Path) -> str | None:
         if actual != expected:
             return (f"{rel}: content differs from {COMPLETE_MARKER} ({HASH_ALGORITHM} {actual[:12]}... vs "
                     f"{str(expected)[:12]}...)")
+    if marker is not None and marker.get("layout") == LAYOUT_SHARDED:
+        return metadata_problem(path / DCP_DIR)  # a planted step's hashes match: what it holds is checked too
     return None
 
 
@@ -92,11 +99,11 @@ def resume_candidates(root: Path) -> tuple[list[Path], str | None]:
     newest step first), and what is wrong with ``latest`` (None if it is absent or names one of them)."""
     ordered = list(reversed(step_directories(root)))
     pointer = root / LATEST_FILE
-    if not pointer.is_file():
+    if not pointer.is_file() and not pointer.is_symlink():
         return ordered, None
     try:
-        name = pointer.read_text().strip()
-    except (OSError, ValueError) as err:
+        name = read_pointer(root)
+    except (ConfigError, OSError, ValueError) as err:
         return ordered, f"{pointer} is unreadable ({type(err).__name__})"
     if not is_step_name(name):
         return ordered, f"{pointer} holds {name[:40]!r}, not a step_<N> name"
