@@ -15,13 +15,12 @@ import json
 import os
 from pathlib import Path
 
-from remat._files import write_atomic
+from remat._files import fsync_path, write_atomic
 from remat.errors import ConfigError
 from remat.recipes.training_state.layout import (
     _STEP_DIR,
     LATEST_FILE,
     TRAIN_STATE_FILE,
-    _fsync_path,
     _step_of,
     atomic_write_text,
     list_checkpoints,
@@ -65,8 +64,8 @@ def keep_newer_checkpoints(root: Path, resumed: Path, *, policy: str, attempt: i
         atomic_write_text(root / LATEST_FILE, resumed.name + "\n")
     for path in reversed(newer):
         os.replace(path, target / path.name)
-    _fsync_path(root)
-    _fsync_path(target)
+    fsync_path(root)
+    fsync_path(target)
     return (f"checkpoint.on_newer_checkpoints: archive: moved {names} to {target} (untouched); training goes on from "
             f"{resumed.name}, and latest now names it")
 
