@@ -60,7 +60,7 @@ def open_regular(path: str | os.PathLike[str], what: str, *, mode: str = "rb", e
     except OSError as err:
         if err.errno == errno.ELOOP and not follow_symlinks:
             raise ConfigError(f"{what} {_shown(path)} is a symbolic link; allowed: a regular file") from None
-        raise ConfigError(f"{what} {_shown(path)}: {_reason(err)}") from None
+        raise ConfigError(f"{what} {_shown(path)} cannot be read: {_reason(err)}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from remat._files import open_regular
 from remat.data.config import DatasetConfig
 from remat.data.corpus import builtin_documents
 from remat.errors import ConfigError
 
 _HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 _JSONL_SUFFIX = ".jsonl"
+#: The longest JSONL row read (one line); a longer one is refused in one line instead of filling memory.
+MAX_ROW_BYTES = 64 * 1024**2
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -33,9 +40,17 @@ def _is_hf_dataset_dir(path: Path) -> bool:
 
 
 def _read_jsonl(path: Path, key: str) -> Iterator[RawRow]:
-    with path.open("rb") as handle:  # bytes, decoded per line, so that a non-UTF-8 line is named
-        for number, raw in enumerate(handle, start=1):
+    # Bytes, decoded per line, so that a non-UTF-8 line is named; only a regular file (a FIFO or /dev/zero behind
+    # the name is refused, not read forever), one line of at most MAX_ROW_BYTES at a time.
+    with open_regular(path, f"{key}:") as handle:
+        for number in itertools.count(1):
+            raw = handle.readline(MAX_ROW_BYTES + 1)
+            if not raw:
+                break
             where = f"{path} line {number}"
+            if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+                raise ConfigError(f"{key}: {where} is longer than {MAX_ROW_BYTES // 1024**2} MiB; allowed: rows of "
+                                  f"at most {MAX_ROW_BYTES // 1024**2} MiB, one JSON object per line")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -48,10 +63,35 @@ def _read_jsonl(path: Path, key: str) -> Iterator[RawRow]:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{key}: {where} is not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            except RecursionError:
+                raise ConfigError(f"{key}: {where} nests deeper than Python's JSON reader goes (about "
+                                  f"{sys.getrecursionlimit()} levels); allowed: rows of plain fields and message "
+                                  "lists") from None
+            escapes = _SURROGATE_ESCAPE.search(line) is not None
             del line  # a long line is not held twice (as the line and as the parsed string) while the row is used
             if not isinstance(data, dict):
                 raise ConfigError(f"{key}: {where} must be a JSON object, got {type(data).__name__}")
+            if escapes and (lone := _lone_surrogate(data)) is not None:
+                raise ConfigError(f"{key}: {where} holds the lone surrogate \\u{ord(lone):04x}, which is not text "
+                                  "(half of a pair); allowed: valid Unicode")
             yield RawRow(data, where)
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first unpaired UTF-16 surrogate in the strings of a parsed row (JSON's ``\\ud800`` escapes), or None."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
+            if found is not None:
+                return found.group()
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return None
 
 
 def _read_hf_dataset(path: Path, split: str, split_given: bool, key_prefix: str) -> Iterator[RawRow]:

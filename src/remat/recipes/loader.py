@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
@@ -17,6 +17,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from remat._files import printable, read_regular_bytes, shown
 from remat.checkpointing.policy import AUTO
 from remat.errors import ConfigError, RematError
 from remat.loss.contract import loss_input
@@ -36,6 +37,9 @@ class RecipeYamlLoader(yaml.SafeLoader):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if not isinstance(key, Hashable):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be text or a number, not a {type(key).__name__}", key_node.start_mark)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} appears twice (first at line {seen[key] + 1})", key_node.start_mark)
@@ -124,29 +128,88 @@ def _deep_copy(data: Any) -> Any:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a recipe file (a path, or the name of a shipped recipe: `remat.recipes.shipped`); errors name the file
-    and, for syntax errors, the line."""
+    and, for syntax errors, the line. Bounded: a regular file of at most `MAX_RECIPE_BYTES`, whose YAML, aliases
+    expanded, has at most `MAX_RECIPE_VALUES` values nested at most `MAX_RECIPE_DEPTH` deep."""
     path = find_recipe(path)
-    if not path.is_file():
-        raise ConfigError(f"recipe {str(path)!r} is not a file (a directory?); give the path of a YAML recipe")
+    if path.is_dir():
+        raise ConfigError(f"recipe {shown(path)} is not a file (a directory); give the path of a YAML recipe")
+    raw = read_regular_bytes(path, "recipe", limit=MAX_RECIPE_BYTES)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"recipe {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+        raise ConfigError(f"recipe {shown(path)} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
                           f"{err.start}); a recipe is a YAML file") from None
-    except OSError as err:
-        raise ConfigError(f"recipe {str(path)!r} cannot be read: {err.strerror}") from None
+    loader = None
     try:
-        data = yaml.load(text, Loader=RecipeYamlLoader)
+        loader = RecipeYamlLoader(text)  # its reader refuses control characters here
+        node = loader.get_single_node()  # type: ignore[no-untyped-call]
+        if node is not None:
+            _check_bounds(node, path)
+        data = loader.construct_document(node) if node is not None else None  # type: ignore[no-untyped-call]
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"recipe {str(path)!r} is not valid YAML{where}: {problem}") from None
+        raise ConfigError(f"recipe {shown(path)} is not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"recipe {shown(path)} nests deeper than YAML can be read; allowed: at most "
+                          f"{MAX_RECIPE_DEPTH} levels") from None
+    finally:
+        if loader is not None:
+            loader.dispose()  # type: ignore[no-untyped-call]
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {str(path)!r}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
+
+
+#: Bounds of a recipe file: a recipe is a few kilobytes of a few hundred values; these leave room for any real one
+#: and stop a hostile one (a 50 MB line, an alias "billion laughs", deep nesting) before it costs minutes or memory.
+MAX_RECIPE_BYTES = 1024**2
+MAX_RECIPE_VALUES = 100_000
+MAX_RECIPE_DEPTH = 64
+
+
+def _check_bounds(root: yaml.Node, path: Path) -> None:
+    """ConfigError when the YAML node graph at `root`, aliases expanded, holds more than `MAX_RECIPE_VALUES` values
+    or nests deeper than `MAX_RECIPE_DEPTH`, or refers to itself. Counted over the shared graph (each node once,
+    iteratively), so the check costs what the file is, not what its aliases would expand to."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = _children(node)
+        if done:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            depth[key] = 1 + max((depth[id(c)] for c in children), default=0)
+            if size[key] > MAX_RECIPE_VALUES:
+                raise ConfigError(f"recipe {shown(path)} expands to more than {MAX_RECIPE_VALUES:,} values (through "
+                                  f"its aliases); allowed: at most {MAX_RECIPE_VALUES:,}")
+            if depth[key] > MAX_RECIPE_DEPTH:
+                raise ConfigError(f"recipe {shown(path)} nests deeper than {MAX_RECIPE_DEPTH} levels (line "
+                                  f"{node.start_mark.line + 1}); allowed: at most {MAX_RECIPE_DEPTH}")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise ConfigError(f"recipe {shown(path)} has an alias that refers to itself (line "
+                              f"{node.start_mark.line + 1}); allowed: aliases of values defined before them")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
 
 
 def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
@@ -274,7 +337,7 @@ def format_validation_error(err: ValidationError, root: type[BaseModel]) -> str:
     seen: set[str] = set()
     for item in err.errors():
         loc = [str(p) for p in item["loc"] if not _is_union_tag(p)]
-        key = ".".join(loc) or "<recipe>"
+        key = printable(".".join(loc)) or "<recipe>"  # a key may hold escape sequences: shown, never sent raw
         line = _describe(item, loc, key, root)
         if line not in seen:
             seen.add(line)
@@ -283,9 +346,13 @@ def format_validation_error(err: ValidationError, root: type[BaseModel]) -> str:
 
 
 def _is_union_tag(part: Any) -> bool:
-    # pydantic adds the union member's type name (e.g. 'bool', 'str', 'dict[str,any]') to the location.
-    return isinstance(part, str) and (part in {"bool", "str", "int", "float", "list", "dict"} or "[" in part
-                                      or part.startswith(("literal[", "function-")))
+    # pydantic adds the union member's type name (e.g. 'bool', 'str', 'dict[str,any]') to the location; a key the
+    # user wrote (which may hold '[' too) is not of that form.
+    return isinstance(part, str) and (part in {"bool", "str", "int", "float", "list", "dict"}
+                                      or _UNION_TAG.match(part) is not None)
+
+
+_UNION_TAG = re.compile(r"^(?:[a-z]+|literal|function-[a-z]+)\[.*\]$", re.DOTALL)
 
 
 def _describe(item: Mapping[str, Any], loc: list[str], key: str, root: type[BaseModel]) -> str:

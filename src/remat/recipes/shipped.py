@@ -7,11 +7,13 @@ means a shipped recipe when no such file exists.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from remat._files import shown
 from remat.errors import ConfigError
 
 
@@ -48,13 +50,17 @@ def find_recipe(argument: str | Path) -> Path:
     """The recipe file ``argument`` names: an existing path, else a shipped recipe's name (``quickstart`` or
     ``quickstart.yaml``); ConfigError listing the shipped names when it is neither."""
     path = Path(argument)
-    if path.exists():
-        return path
+    try:
+        if path.exists() or path.is_symlink():
+            return path
+    except (ValueError, OSError) as err:  # a NUL byte, a name too long for the file system
+        raise ConfigError(f"recipe {shown(os.fspath(argument))}: not a usable path ({err}); give the path of a YAML "
+                          "recipe or a shipped recipe's name") from None
     shipped = shipped_recipes()
     name = path.name.removesuffix(".yaml").removesuffix(".yml")
     if len(path.parts) == 1 and name in shipped:
         return shipped[name].path
-    raise ConfigError(f"recipe {str(argument)!r} not found: not a file, nor a shipped recipe; shipped: "
+    raise ConfigError(f"recipe {shown(os.fspath(argument))} not found: not a file, nor a shipped recipe; shipped: "
                       f"{', '.join(shipped)} (remat recipes lists them)")
 
 
