@@ -20,8 +20,10 @@ import stat
 from pathlib import Path
 from typing import IO, Any
 
-from remat.errors import ConfigError
+from remat.errors import ConfigError, MachineFault
 
+#: How torch's zip writer and safetensors say ENOSPC when they do not raise an OSError.
+_DISK_FULL_TEXTS = ("No space left on device", "os error 28", "PytorchStreamWriter failed writing file")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
@@ -167,7 +169,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def disk_full_error(err: BaseException, path: str | os.PathLike[str], needed: int | None = None) -> ConfigError:
+def disk_full_error(err: BaseException, path: str | os.PathLike[str], needed: int | None = None) -> MachineFault:
     """One line for a write that found no space: the path, the bytes it needed (when known) and what is free."""
     path = Path(path)
     free = None
@@ -179,8 +181,8 @@ def disk_full_error(err: BaseException, path: str | os.PathLike[str], needed: in
             continue
     need = f" needs {_size(needed)}," if needed else ""
     left = f" {_size(free)} free" if free is not None else ""
-    return ConfigError(f"no space left on the device holding {_shown(path)}:{need}{left}; free some space or "
-                       "write elsewhere (output_dir, checkpoint.checkpoint_dir); earlier checkpoints are kept")
+    return MachineFault(f"no space left on the device holding {_shown(path)}:{need}{left}; free some space or "
+                        "write elsewhere (output_dir, checkpoint.checkpoint_dir); earlier checkpoints are kept")
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -193,7 +195,7 @@ def is_disk_full(err: BaseException) -> bool:
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return True
         text = str(current)
-        if "No space left on device" in text or "os error 28" in text or "file write failed" in text:
+        if any(sign in text for sign in _DISK_FULL_TEXTS):
             return True
         current = current.__cause__ or current.__context__
     return False

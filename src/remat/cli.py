@@ -21,10 +21,12 @@ import importlib  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 from remat import __version__  # noqa: E402
-from remat.errors import RematError  # noqa: E402
+from remat._files import disk_full_error, is_disk_full, printable  # noqa: E402
+from remat.errors import MachineFault, RematError  # noqa: E402
 
 #: Faults of the machine rather than of the input: one line and exit status 1, not a traceback.
 ENVIRONMENT_FAULTS: frozenset[int] = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
@@ -66,15 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(_command_modules()[args.command].run(args, extra))
+    except MachineFault as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except RematError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
         if err.errno not in ENVIRONMENT_FAULTS:
             raise
-        where = f" ({err.filename})" if err.filename else ""
-        print(f"error: {os.strerror(err.errno)}{where}: the run stopped; checkpoints are written to a temporary "
-              "directory and published only when complete, so the last complete one is intact", file=sys.stderr)
+        where = f" ({printable(str(err.filename))})" if err.filename else ""
+        kept = ("the run stopped; checkpoints are written to a temporary directory and published only when complete, "
+                "so the last complete one is intact") if args.command == "finetune" else "nothing was changed"
+        print(f"error: {os.strerror(err.errno)}{where}: {kept}", file=sys.stderr)
+        return 1
+    except Exception as err:  # noqa: BLE001 (re-raised unless the disk is full)
+        if not is_disk_full(err):
+            raise
+        print(f"error: {disk_full_error(err, Path.cwd())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: stopped at once (the last complete checkpoint is kept)", file=sys.stderr)

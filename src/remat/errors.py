@@ -14,6 +14,11 @@ class ConfigError(RematError, ValueError):
     """A recipe or argument is malformed: names the dotted key, what was given and what is allowed."""
 
 
+class MachineFault(RematError):
+    """The machine, not the input, stopped the work (a full disk): one line naming the path and the bytes, exit
+    status 1; the last complete checkpoint is kept."""
+
+
 class CheckpointingError(RematError, ValueError):
     """Activation checkpointing cannot be applied as asked (no blocks found, unknown policy, ...)."""
 

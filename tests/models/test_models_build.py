@@ -100,7 +100,7 @@ def test_legacy_keys_transformers_still_reads_are_accepted() -> None:
 def test_invalid_values_raise_config_error_with_the_transformers_message() -> None:
     with pytest.raises(ConfigError, match=r"^model\.config: transformers rejected the 'llama' config: .*"
                                           r"expected int, got str"):
-        resolve_model_config(_tiny(max_position_embeddings="many"))
+        resolve_model_config(_tiny(bos_token_id="many"))
     # Shape numbers are checked before transformers sees them (tests/models/test_models_shape.py).
     with pytest.raises(ConfigError, match=r"^model\.config\.num_attention_heads: 4 does not divide hidden_size=30"):
         resolve_model_config(_tiny(hidden_size=30))

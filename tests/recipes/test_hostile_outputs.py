@@ -77,3 +77,32 @@ def test_paths_no_file_system_takes_are_one_line(output_dir: str, message: str, 
     with pytest.raises(ConfigError) as info:
         FinetuneRecipe(validate_recipe(recipe))
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's zip writer reports ENOSPC as a RuntimeError without an errno: the run names the checkpoint directory
+    and the bytes a checkpoint needs, and the previous checkpoint stays complete."""
+    import torch
+
+    from remat.errors import MachineFault
+    from remat.recipes.training_state import find_latest_checkpoint
+    from remat.recipes.training_state import single as single_state
+
+    real_save = torch.save
+
+    def save(obj: object, path: object, *args: object, **kwargs: object) -> None:
+        if ".tmp-step_4-" in str(path):  # the second checkpoint finds the disk full
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")
+        real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(single_state.torch, "save", save)
+    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 4, "ckpt_every_steps": 2})
+    with pytest.raises(MachineFault) as info:
+        FinetuneRecipe(validate_recipe(recipe)).run()
+    message = str(info.value)
+    assert message.startswith(f"no space left on the device holding {str(tmp_path / 'run' / 'checkpoints')!r}: "
+                              "needs ") and " free; " in message and "\n" not in message
+    latest = find_latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert latest is not None and latest.name == "step_2"

@@ -31,7 +31,7 @@ from remat.errors import ConfigError
 from remat.hub import hub_load_error
 from remat.models.config import ModelConfig
 from remat.models.presets import get_preset, preset_for_hub_id
-from remat.models.shape import check_config_shape
+from remat.models.shape import check_config_shape, check_parameters_fit
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ def build_model(
         model.config.use_cache = False
         return model.train()  # from_pretrained hands models back in eval mode; every source starts the same way
     config = resolve_model_config(cfg, vocab_size)
+    if not meta:
+        check_parameters_fit(config, dtype.itemsize, device, "model")
     return model_from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation,
                              trust_remote_code=cfg.trust_remote_code, device=device, meta=meta)
 
@@ -212,7 +214,7 @@ def _pretrained_config(cfg: ModelConfig) -> PretrainedConfig:
     path, local = _pretrained_source(cfg)
     try:
         return AutoConfig.from_pretrained(path, local_files_only=local, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # OSError, ValueError, huggingface_hub's field validation of a malformed config.json
         raise _load_error(path, local, "read a transformers config", err) from err
 
 
@@ -221,6 +223,12 @@ def _load_pretrained(
 ) -> PreTrainedModel:
     path, local = _pretrained_source(cfg)
     kwargs.setdefault("local_files_only", local)
+    if local and "config" not in kwargs:  # checked before any weight is read: shape numbers, size, weight dtypes
+        config = _pretrained_config(cfg)
+        check_config_shape(type(config), config.to_dict(), prefix=f"{path}/config.json")
+        check_parameters_fit(config, dtype.itemsize, device, _PRETRAINED_KEY)
+        _refuse_integer_weights(Path(path))
+        kwargs["config"] = config
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
@@ -228,7 +236,30 @@ def _load_pretrained(
         )
     except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a truncated or corrupt weights file
         raise _load_error(path, local, "load a causal LM", err) from err
+    except RuntimeError as err:  # weights whose shapes do not match the config ("... ignore_mismatched_sizes")
+        raise _load_error(path, local, "load a causal LM (its weights do not fit its config.json)", err) from err
     return model.to(device)
+
+
+def _refuse_integer_weights(directory: Path) -> None:
+    """A weights file holding integer tensors (int8 quantised, say) would be cast to float silently and train as
+    nonsense: ConfigError naming the file and a tensor. Only the headers of the safetensors files are read."""
+    from safetensors import safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                for name in weights.keys():  # noqa: SIM118 (safe_open has no iterator)
+                    if not name.endswith("weight"):  # integer buffers (position ids, masks) are fine
+                        continue
+                    kind = weights.get_slice(name).get_dtype()
+                    if kind.startswith(("I", "U")) or kind == "BOOL":
+                        raise ConfigError(
+                            f"{_PRETRAINED_KEY}: {file} holds {kind} weights ({name}); remat trains floating-point "
+                            "weights and would cast these silently: give a float checkpoint (F32, BF16 or F16), "
+                            "not a quantised one")
+        except SafetensorError as err:
+            raise _load_error(str(directory), True, "load a causal LM", err) from err
 
 
 def _load_error(path: str, local: bool, action: str, err: Exception) -> ConfigError:

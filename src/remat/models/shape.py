@@ -9,18 +9,23 @@ mistake is one `ConfigError` naming the key (with the spelling the architecture 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any, Final
 
+import torch
 from transformers import PretrainedConfig
 
 from remat.errors import ConfigError
 
 POSITIVE_KEYS: Final[tuple[str, ...]] = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "head_dim",
+    "intermediate_size", "head_dim", "max_position_embeddings",
 )
 """Standard config names whose value, when given (not null), must be an integer >= 1."""
+MAX_LAYERS: Final[int] = 4096
+"""The most blocks a config may have: the deepest published causal LMs have about 200; building a million takes
+minutes before anything could fail."""
 
 
 def check_config_shape(config_class: type[PretrainedConfig], fields: Mapping[str, Any],
@@ -35,6 +40,9 @@ def check_config_shape(config_class: type[PretrainedConfig], fields: Mapping[str
     for name, value in given.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{prefix}.{spelled[name]}: got {value!r}; allowed: an integer >= 1")
+    if given.get("num_hidden_layers", 0) > MAX_LAYERS:
+        raise ConfigError(f"{prefix}.{spelled['num_hidden_layers']}: got {given['num_hidden_layers']}; allowed: at "
+                          f"most {MAX_LAYERS} (the deepest published causal LMs have about 200)")
     if not given.keys() & {"hidden_size", "num_attention_heads", "num_key_value_heads"}:
         return
 
@@ -59,3 +67,49 @@ def _defaults(config_class: type[PretrainedConfig]) -> PretrainedConfig | None:
         return config_class()
     except Exception:  # some configs need arguments; their defaults are then unknown and not checked
         return None
+
+
+def parameter_bytes_at_least(config: PretrainedConfig, element_bytes: int) -> int:
+    """A lower bound on the bytes of the parameters of a model of `config`: its input embeddings (and an untied
+    output head) and two ``hidden x intermediate`` matrices per block. Every decoder has at least these, so a
+    bound over the device's memory means the model cannot be built there (the estimate counts the rest)."""
+    hidden = _int(getattr(config, "hidden_size", None))
+    vocab = _int(getattr(config, "vocab_size", None))
+    layers = _int(getattr(config, "num_hidden_layers", None))
+    inner = _int(getattr(config, "intermediate_size", None))
+    heads = 1 if getattr(config, "tie_word_embeddings", True) else 2
+    return element_bytes * (heads * vocab * hidden + layers * 2 * hidden * inner)
+
+
+def check_parameters_fit(config: PretrainedConfig, element_bytes: int, device: Any, key: str) -> None:
+    """ConfigError naming `key` and the bytes when the parameters of `config` cannot fit `device`'s memory (the
+    machine's physical memory for the CPU, the GPU's for CUDA), before anything is allocated."""
+    need = parameter_bytes_at_least(config, element_bytes)
+    have, where = _device_bytes(device)
+    if have is None or need <= have:
+        return
+    shape = ", ".join(f"{name} {getattr(config, name)}" for name in ("num_hidden_layers", "hidden_size",
+                                                                     "intermediate_size", "vocab_size")
+                      if _int(getattr(config, name, None)))
+    raise ConfigError(f"{key}: the parameters alone need at least {_gib(need)} ({shape}), more than the {_gib(have)} "
+                      f"of {where}; allowed: a smaller shape, or a device with more memory (FSDP2 over several)")
+
+
+def _device_bytes(device: Any) -> tuple[int | None, str]:
+    target = torch.device(device)
+    if target.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(target.index or 0).total_memory, f"the GPU ({target})"
+    if target.type == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
+        except (ValueError, OSError, AttributeError):
+            return None, ""
+    return None, ""
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _gib(num: int) -> str:
+    return f"{num / 1024**3:,.3g} GiB" if num < 1024**4 else f"{num / 1024**4:,.3g} TiB"

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from remat._files import disk_full_error, is_disk_full
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
 from remat.data.fingerprint import dataset_fingerprint
 from remat.data.loader import collate
@@ -376,7 +377,12 @@ class FinetuneRecipe:
             "train_state": train_state, "tokenizer": self.tokenizer, "keep_last": self.cfg.checkpoint.keep_last,
         }
         refuse_to_save(self.step, self.model, self.optimizer, self.dist, self.checkpoint_dir)
-        path = state_store(self.dist).save(self.checkpoint_dir, self.step, **arguments)
+        try:
+            path = state_store(self.dist).save(self.checkpoint_dir, self.step, **arguments)
+        except Exception as err:
+            if not is_disk_full(err):
+                raise
+            raise disk_full_error(err, self.checkpoint_dir, _checkpoint_bytes(self.model, self.optimizer)) from None
         reporter.info(f"saved checkpoint {path}")
         return path
 
@@ -409,6 +415,15 @@ class FinetuneRecipe:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+
+
+def _checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About what one checkpoint takes on this rank's disk: the parameters twice (training state and the exported
+    model) and the optimizer state."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    return 2 * params + state
 
 
 def checkpoint_directory(cfg: RecipeConfig) -> Path:
