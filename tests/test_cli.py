@@ -160,3 +160,25 @@ def test_restart_under_the_launcher_moves_checkpoints_once_and_workers_resume_au
     assert (aside / "latest").read_text() == "step_3\n"
     restart_before_launch(cfg, 1, [])  # another node's launcher moves nothing
     assert [p.name for p in checkpoints.iterdir()] == [aside.name]
+
+
+@pytest.mark.parametrize("command", [
+    ["profile", "quickstart", "--json", "{under}/p.json"],
+    ["plan", "quickstart", "--png", "{under}/p.png"],
+    ["estimate", "--preset", "tiny-llama", "--plot", "{under}/e.png"],
+])
+def test_an_output_under_a_regular_file_is_one_line_before_any_work(
+        command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    args = [part.format(under=tmp_path / "file") for part in command]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {args[-2]}: ") and "is under the regular file" in err and err.count("\n") == 1
+
+
+def test_report_of_rows_without_memory_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0, "tps": 3}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {tmp_path / 'metrics.jsonl'}:1: a train row without mem_bytes, mem_source; allowed: rows "
+                   "as remat finetune writes them (a file from another tool or an edited one?)\n")

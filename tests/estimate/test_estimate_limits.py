@@ -113,7 +113,7 @@ def test_json_output_paths_that_cannot_be_written_are_one_line(where: str, tmp_p
     assert main(["estimate", "--preset", "tiny-llama", "--json", str(target)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: --json: ")
-    assert ("is a directory" if where == "directory" else "which is a file") in err
+    assert ("is a directory" if where == "directory" else "is under the regular file") in err
 
 
 def test_json_output_under_a_missing_directory_is_created(tmp_path: Path) -> None:

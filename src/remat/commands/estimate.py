@@ -101,12 +101,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.commands.estimate_longest import check_arguments, longest_rows, run_longest
     from remat.estimate.api import estimate_memory
     from remat.estimate.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
+    from remat.recipes.output_paths import check_output_file
 
     check_arguments(args)
     capacity = parse_capacity(args.fits) if args.fits else None
     for flag, value in (("--json", args.json), ("--plot", args.plot)):
         if value:
-            _check_output_path(flag, Path(value))
+            check_output_file(Path(value), flag)
     model, base = _base(args, overrides)
     rows = _rows(args, base)
     if args.longest and capacity is not None:
@@ -140,22 +141,6 @@ def write_json(path: Path, payload: Any) -> None:
     except OSError as err:
         raise ConfigError(f"--json: cannot write {str(path)!r}: {err.strerror or err}") from err
     logger.info("wrote %s", path)
-
-
-def _check_output_path(flag: str, path: Path) -> None:
-    """Refuse, before the estimate runs, an output path that is a directory or lies under a file (missing parent
-    directories are created when the file is written)."""
-    from remat.errors import ConfigError
-
-    if path.is_dir():
-        raise ConfigError(f"{flag}: {str(path)!r} is a directory; allowed: a file path (e.g. {path / 'estimate'}"
-                          f"{'.png' if flag == '--plot' else '.json'})")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"{flag}: {str(path)!r} lies under {str(parent)!r}, which is a file; allowed: a path "
-                                  "under a directory")
-            break
 
 
 def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:

@@ -63,6 +63,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.planner.report import BudgetAnswer, plot_plans, report_dict, report_text
     from remat.recipes.loader import load_recipe_data
 
+    from remat.recipes.output_paths import check_output_file
+
+    for flag, value in (("--json", args.json), ("--png", args.png)):
+        if value:
+            check_output_file(Path(value), flag)
     cfg = recipe_for_planning(load_recipe_data(args.recipe, overrides))
     target = args.target or ("cpu" if cfg.distributed.device == "cpu" else "cuda")
     budgets = [recipe_budget(cfg, budget, target) for budget in (args.budget or [None])]

@@ -31,7 +31,7 @@ from remat.errors import ConfigError
 from remat.hub import hub_load_error
 from remat.models.config import ModelConfig
 from remat.models.presets import get_preset, preset_for_hub_id
-from remat.models.shape import check_config_shape, check_parameters_fit
+from remat.models.shape import check_config_shape, check_buildable
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def build_model(
         return model.train()  # from_pretrained hands models back in eval mode; every source starts the same way
     config = resolve_model_config(cfg, vocab_size)
     if not meta:
-        check_parameters_fit(config, dtype.itemsize, device, "model")
+        check_buildable(config, dtype.itemsize, device, "model")
     return model_from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation,
                              trust_remote_code=cfg.trust_remote_code, device=device, meta=meta)
 
@@ -226,7 +226,7 @@ def _load_pretrained(
     if local and "config" not in kwargs:  # checked before any weight is read: shape numbers, size, weight dtypes
         config = _pretrained_config(cfg)
         check_config_shape(type(config), config.to_dict(), prefix=f"{path}/config.json")
-        check_parameters_fit(config, dtype.itemsize, device, _PRETRAINED_KEY)
+        check_buildable(config, dtype.itemsize, device, _PRETRAINED_KEY)
         _refuse_integer_weights(Path(path))
         kwargs["config"] = config
     try:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # what tensors are under the estimate's FakeTensorMode
 from transformers import PretrainedConfig
 
 from remat.errors import ConfigError
@@ -40,9 +41,6 @@ def check_config_shape(config_class: type[PretrainedConfig], fields: Mapping[str
     for name, value in given.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{prefix}.{spelled[name]}: got {value!r}; allowed: an integer >= 1")
-    if given.get("num_hidden_layers", 0) > MAX_LAYERS:
-        raise ConfigError(f"{prefix}.{spelled['num_hidden_layers']}: got {given['num_hidden_layers']}; allowed: at "
-                          f"most {MAX_LAYERS} (the deepest published causal LMs have about 200)")
     if not given.keys() & {"hidden_size", "num_attention_heads", "num_key_value_heads"}:
         return
 
@@ -81,9 +79,16 @@ def parameter_bytes_at_least(config: PretrainedConfig, element_bytes: int) -> in
     return element_bytes * (heads * vocab * hidden + layers * 2 * hidden * inner)
 
 
-def check_parameters_fit(config: PretrainedConfig, element_bytes: int, device: Any, key: str) -> None:
-    """ConfigError naming `key` and the bytes when the parameters of `config` cannot fit `device`'s memory (the
-    machine's physical memory for the CPU, the GPU's for CUDA), before anything is allocated."""
+def check_buildable(config: PretrainedConfig, element_bytes: int, device: Any, key: str) -> None:
+    """ConfigError naming `key` when a real model of `config` cannot be built: more than `MAX_LAYERS` blocks, or
+    parameters beyond `device`'s memory (the machine's physical memory for the CPU, the GPU's for CUDA), said
+    before anything is allocated. Under fake tensors (the estimate) nothing is allocated, and nothing is checked."""
+    if isinstance(torch.empty(0), FakeTensor):
+        return
+    layers = _int(getattr(config, "num_hidden_layers", None))
+    if layers > MAX_LAYERS:
+        raise ConfigError(f"{key}: num_hidden_layers {layers}; allowed: at most {MAX_LAYERS} (the deepest published "
+                          "causal LMs have about 200)")
     need = parameter_bytes_at_least(config, element_bytes)
     have, where = _device_bytes(device)
     if have is None or need <= have:

@@ -100,3 +100,18 @@ def check_writable_dir(path: Path, key: str) -> None:
                           "writable one")
     raise ConfigError(f"{key}: cannot write to {str(path)!r}: permission denied on {str(existing)!r}; give a directory "
                       "you can write to")
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output file named on the command line (``--json``, ``--png``...) that is a
+    directory, lies under a regular file, or cannot be written; missing parent directories are made when it is
+    written."""
+    check_path_text(path, flag)
+    if path.is_dir():
+        raise ConfigError(f"{flag}: {shown(path)} is a directory; allowed: a file path (e.g. "
+                          f"{shown(path / ('out' + (path.suffix or '.json')))})")
+    existing = next(p for p in path.parents if p.exists() or p == Path(p.anchor or "."))
+    if not existing.is_dir():
+        raise ConfigError(f"{flag}: {shown(path)} is under the regular file {shown(existing)}, not a directory; "
+                          "allowed: a path under a directory")
+    check_writable_dir(path.parent, flag)

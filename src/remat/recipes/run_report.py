@@ -66,6 +66,11 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02.0f}s" if hours else f"{minutes}m{secs:04.1f}s" if minutes else f"{secs:.1f}s"
 
 
+#: What the report reads of each kind of row.
+_ROW_KEYS: dict[str, tuple[str, ...]] = {"train": ("loss", "mem_bytes", "mem_source", "tps"),
+                                         "validation": ("val_loss",)}
+
+
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The train and validation rows of a metrics file along the run's current line of history, one per step, in
     step order: the latest attempt's rows, then each earlier attempt's rows for the steps before the later ones
@@ -82,8 +87,12 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                 row = json.loads(line)
                 row["step"] = int(row["step"])
                 row["kind"]  # noqa: B018 (a KeyError names the malformed row)
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise ConfigError(f"{path}:{number}: not a metrics row (a JSON object with 'kind' and 'step')") from None
+            missing = [key for key in _ROW_KEYS.get(row["kind"], ()) if not isinstance(row.get(key), (int, float, str))]
+            if missing:
+                raise ConfigError(f"{path}:{number}: a {row['kind']} row without {', '.join(missing)}; allowed: rows "
+                                  "as remat finetune writes them (a file from another tool or an edited one?)")
             rows.append(row)
     kept = current_line(rows)
     return ([r for r in kept if r["kind"] == "train"], [r for r in kept if r["kind"] == "validation"])
