@@ -182,3 +182,14 @@ def test_report_of_rows_without_memory_is_one_line(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert err == (f"error: {tmp_path / 'metrics.jsonl'}:1: a train row without mem_bytes, mem_source; allowed: rows "
                    "as remat finetune writes them (a file from another tool or an edited one?)\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "quickstart", "--budget", "-1GiB"], "error: --budget: got '-1GiB'; allowed: a number with a unit"),
+    (["estimate", "--preset", "tiny-llama", "--fits", "-5GiB"], "error: --fits: got '-5GiB'; allowed: a number"),
+])
+def test_a_negative_size_is_answered_by_the_size_rules(argv: list[str], message: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse would take ``-1GiB`` for an option and answer "expected one argument"."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(message)

@@ -58,9 +58,29 @@ def _add_log_level(parser: argparse.ArgumentParser, *, default: str) -> None:
                         help="verbosity of remat's own log messages (default INFO)")
 
 
+#: Options whose value is a size: ``--budget -1GiB`` is that value (refused with the size rules), not an unknown flag.
+SIZE_OPTIONS: tuple[str, ...] = ("--budget", "--fits", "--memory-budget")
+
+
+def _sizes_joined(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--budget -1GiB`` written ``--budget=-1GiB``: argparse takes a value that starts with '-' and
+    is not a plain number for an option, and would answer "expected one argument"."""
+    out: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        if items[i] in SIZE_OPTIONS and i + 1 < len(items) and items[i + 1][:1] == "-" and items[i + 1][1:2].isdigit():
+            out.append(f"{items[i]}={items[i + 1]}")
+            i += 2
+            continue
+        out.append(items[i])
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_sizes_joined(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, args.log_level), format="[remat] %(levelname)s %(message)s",
                         stream=sys.stderr)
     if args.command is None:

@@ -214,3 +214,20 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+def test_a_master_port_in_use_is_one_line_before_launching(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr("torch.distributed.run.main", lambda *a: pytest.fail("launched"))
+        assert main(["finetune", str(FSDP2_EXAMPLE), "--nproc-per-node", "2", "--master-port", str(port),
+                     "--master-addr", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --master-port: port {port} is already in use on this machine" in err

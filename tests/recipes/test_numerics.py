@@ -258,3 +258,14 @@ def test_a_non_finite_checkpoint_is_not_resumed(tmp_path: Path) -> None:
                                           r"refusing to resume from it"):
         run(more)
     assert sorted(p.name for p in job.checkpoint_dir.glob("step_*")) == ["step_2"]
+
+
+def test_a_run_never_finite_names_the_recipe_values_out_of_any_usual_range(tmp_path: Path) -> None:
+    """A negative rope_theta makes every rotary frequency NaN: the stop names it, not only "training diverged"."""
+    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 2})
+    recipe["model"]["config"] = {**recipe["model"].get("config", {}), "rope_theta": -10000.0}
+    with pytest.raises(TrainingDivergedError) as info:
+        run(recipe)
+    message = str(info.value)
+    assert message.startswith("step 1: loss nan and grad_norm nan (never finite in this run; out of any usual range: "
+                              "model.config.rope_theta = -10000.0 (usual: 1e4 to 1e7))")

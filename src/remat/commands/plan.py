@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             check_output_file(Path(value), flag)
     cfg = recipe_for_planning(load_recipe_data(args.recipe, overrides))
     target = args.target or ("cpu" if cfg.distributed.device == "cpu" else "cuda")
-    budgets = [recipe_budget(cfg, budget, target) for budget in (args.budget or [None])]
+    budgets = [recipe_budget(cfg, budget, target, key="--budget") for budget in (args.budget or [None])]
     options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}
     options["flops_per_second"] = _flops_per_second(args, target)
     if (args.loss_choice or cfg.distributed.planner_loss) == "choose":

@@ -9,10 +9,12 @@ rendezvous endpoint uses ``--standalone`` (a free local port, so concurrent runs
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -145,6 +147,7 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     options.check()
+    check_port_free(options)
     share_store_off(options)
     argv = [*options.torchrun_args(), *worker_command(worker_args)]
     logger.info("launching: torchrun %s", " ".join(argv))
@@ -158,6 +161,24 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
         logger.warning("stopped by %s: the workers were asked to stop", signal.Signals(err.sigval).name)
         return 128 + int(err.sigval)
     return 0
+
+
+def check_port_free(options: LaunchOptions) -> None:
+    """ConfigError naming ``--master-port`` when this node is to serve the rendezvous on a port that is taken (torchrun
+    would fail with a traceback of its store); other nodes and ports chosen by torchrun are not checked."""
+    port = options.master_port
+    if port is None or options.node_rank not in (None, 0):
+        return
+    if options.master_addr not in (None, "localhost", "127.0.0.1", "::1", socket.gethostname()):
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return
+            raise ConfigError(f"--master-port: port {port} is already in use on this machine (another run?); "
+                              "allowed: a free port, or leave --master-port out and a free one is chosen") from None
 
 
 def worker_command(python_args: Sequence[str]) -> list[str]:

@@ -130,10 +130,12 @@ def planner_for_recipe(cfg: RecipeConfig, *, target: str | None = None, flops_pe
     return Planner(model, step, flops_per_second)
 
 
-def recipe_budget(cfg: RecipeConfig, budget: BudgetLike, target: str) -> int:
-    """``budget`` (or the recipe's ``distributed.memory_budget``) in bytes for ``target``."""
+def recipe_budget(cfg: RecipeConfig, budget: BudgetLike, target: str, *, key: str = "memory_budget") -> int:
+    """``budget`` (or the recipe's ``distributed.memory_budget``) in bytes for ``target``; an error names ``key``
+    (how the caller spelled the budget: ``memory_budget=``, ``--budget``) or the recipe key."""
     value = budget if budget is not None else cfg.distributed.memory_budget
-    return parse_budget(value, device_bytes=device_bytes(target), key="distributed.memory_budget")
+    key = key if budget is not None else "distributed.memory_budget"
+    return parse_budget(value, device_bytes=device_bytes(target), key=key)
 
 
 def default_target(device: str) -> str:

@@ -39,7 +39,7 @@ from remat.recipes.build import build_optimizer, build_recipe_model, build_train
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
-from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save
+from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save, unusual_settings
 from remat.recipes.output_paths import OutputPaths
 from remat.recipes.resume_changes import plan_resume
 from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
@@ -101,7 +101,7 @@ class FinetuneRecipe:
         self.dist = distributed_setup(cfg)
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = checkpoint_directory(cfg)
-        self.nonfinite = NonFiniteGuard.from_config(cfg.training)
+        self.nonfinite = NonFiniteGuard.from_config(cfg.training, unusual_settings(cfg))
         self.run_locks: RunLocks | None = None
 
     # ------------------------------------------------------------------------------------------------ building

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -79,20 +79,26 @@ class NonFiniteGuard:
     max_consecutive: int
     consecutive: int = 0
     total: int = 0
+    finite_seen: bool = False
+    suspects: tuple[str, ...] = ()
+    """Recipe values far outside any usual range, named when no step of the run was finite yet."""
 
     @classmethod
-    def from_config(cls, cfg: TrainingConfig) -> NonFiniteGuard:
-        return cls(policy=cfg.on_nonfinite, max_consecutive=cfg.max_nonfinite_steps)
+    def from_config(cls, cfg: TrainingConfig, suspects: tuple[str, ...] = ()) -> NonFiniteGuard:
+        return cls(policy=cfg.on_nonfinite, max_consecutive=cfg.max_nonfinite_steps, suspects=suspects)
 
     def after_step(self, record: StepRecord, last_good: Path | None) -> str | None:
         """None after an applied step; the line to log after a skipped one; TrainingDivergedError when the policy
         stops the run."""
         if not record.skipped:
             self.consecutive = 0
+            self.finite_seen = True
             return None
         self.consecutive += 1
         self.total += 1
         values = f"step {record.step}: loss {record.loss} and grad_norm {record.grad_norm}"
+        if not self.finite_seen and self.suspects:  # from the first step on: the recipe itself is the likely cause
+            values += f" (never finite in this run; out of any usual range: {'; '.join(self.suspects)})"
         if self.policy == "skip" and self.consecutive <= self.max_consecutive:
             return (f"{values}: not finite, so its update was not applied (weights and optimizer state unchanged; "
                     f"its batch is consumed and the lr schedule moves on); {self.consecutive} of at most "
@@ -166,3 +172,26 @@ def _named_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if (local.is_floating_point() or local.is_complex()) and local.numel():
             yield name, local.detach()
+
+
+#: (recipe key, test, what is usual) for values that make the first step non-finite however the data looks.
+_USUAL: tuple[tuple[str, Any, str], ...] = (
+    ("model.config.rope_theta", lambda v: v <= 0 or v > 1e9, "1e4 to 1e7"),
+    ("model.config.rms_norm_eps", lambda v: v <= 0 or v > 0.1, "1e-6 to 1e-5"),
+    ("model.config.layer_norm_eps", lambda v: v <= 0 or v > 0.1, "1e-6 to 1e-5"),
+    ("model.config.initializer_range", lambda v: v > 1, "about 0.02"),
+    ("optimizer.lr", lambda v: v > 1, "1e-5 to 1e-2"),
+)
+
+
+def unusual_settings(cfg: Any) -> tuple[str, ...]:
+    """The recipe values (model config, lr, LoRA scale) far outside any usual range, as ``key = value (usual: ...)``,
+    for the message of a run whose very first steps are not finite."""
+    values: dict[str, Any] = {f"model.config.{k}": v for k, v in (cfg.model.config or {}).items()}
+    values["optimizer.lr"] = cfg.optimizer.kwargs.get("lr")
+    found = [f"{key} = {values[key]!r} (usual: {usual})" for key, test, usual in _USUAL
+             if isinstance(values.get(key), (int, float)) and not isinstance(values[key], bool) and test(values[key])]
+    peft = getattr(cfg, "peft", None)
+    if peft is not None and peft.lora_alpha / peft.r > 64:
+        found.append(f"peft.lora_alpha / peft.r = {peft.lora_alpha:g} / {peft.r} (usual: 1 to 4)")
+    return tuple(found)
