@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "FusedLinearCrossEntropy": "remat.loss.fused",
     "OutputHead": "remat.loss.head",
     "output_head": "remat.loss.head",
+    "verify_output_head": "remat.loss.head",
     "MaskedCrossEntropy": "remat.loss.masked",
     "LOSS_INPUTS": "remat.loss.contract",
     "LossInput": "remat.loss.contract",
@@ -51,6 +52,7 @@ __all__ = [
     "output_head",
     "plan_chunks",
     "select_backend",
+    "verify_output_head",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
         plan_chunks,
     )
     from remat.loss.fused import FusedLinearCrossEntropy
-    from remat.loss.head import OutputHead, output_head
+    from remat.loss.head import OutputHead, output_head, verify_output_head
     from remat.loss.masked import MaskedCrossEntropy
     from remat.loss.contract import LOSS_INPUTS, LossInput, loss_input
     from remat.loss.targets import Reduction, next_token_targets

@@ -6,13 +6,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor  # what tensors are under the estimate's FakeTensorMode
 
 from remat.errors import ConfigError
 
 
 #: Config attributes through which Hugging Face models scale their logits after the head (value 1.0 = no effect).
 SCALING_ATTRIBUTES: tuple[str, ...] = ("logits_scaling", "logit_scale", "lm_head_multiplier")
+
+#: Config attributes through which Hugging Face models cap their logits (``cap * tanh(logits / cap)``).
+SOFTCAP_ATTRIBUTES: tuple[str, ...] = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
 #: model_type -> the factor the model multiplies its logits by, read from its config.
 LOGIT_MULTIPLIERS: dict[str, Callable[[Any], float]] = {
@@ -62,7 +67,8 @@ def output_head(model: nn.Module) -> OutputHead:
         )
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(config, "final_logit_softcapping", None) or getattr(text_config, "final_logit_softcapping", None)
+    softcap = next((value for candidate in (config, text_config) for name in SOFTCAP_ATTRIBUTES
+                    if (value := getattr(candidate, name, None))), None)
     scale = _logit_multiplier(config, text_config)
     if scale != 1.0 and head.bias is not None:
         raise ConfigError(
@@ -89,3 +95,74 @@ def _logit_multiplier(config: Any, text_config: Any) -> float:
                     f"{sorted(LOGIT_MULTIPLIERS)} or {name}=1 (else use MaskedCrossEntropy)"
                 )
     return 1.0
+
+
+#: Tokens of the probe `verify_output_head` runs; the largest relative difference it accepts, per parameter dtype.
+PROBE_TOKENS = 8
+PROBE_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.float64: 1e-6}
+LOW_PRECISION_TOLERANCE = 3e-2
+
+
+def verify_output_head(model: nn.Module) -> None:
+    """Check once, on a probe of a few tokens, that the head the fused loss applies to ``get_decoder()``'s last
+    hidden state reproduces the model's own logits; ConfigError naming the model type and the difference when it
+    does not (a transform before the head, a cap or scale under a name remat does not know), or when the decoder
+    gives no last hidden state. A no-op on fake or meta tensors (the estimate), where no value can be compared.
+
+    # NOTE [ Why a probe ]
+    # The fused loss rebuilds the logits from the output head's weight, so every model whose logits are more than
+    # ``hidden @ weight.T + bias`` (BERT-style decoders' dense + activation + norm transform, a softcap under its own
+    # config name) would train on a different loss, silently. A table of known heads cannot cover an architecture
+    # nobody has tried; comparing the two on eight tokens before the first step can: it costs one small forward.
+    """
+    head = output_head(model)
+    if isinstance(head.weight, FakeTensor) or head.weight.is_meta:
+        return
+    name = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        raise ConfigError(f"loss_fn: FusedLinearCrossEntropy needs the decoder of {name}, whose get_decoder() gives "
+                          f"{type(decoder).__name__}; allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy")
+    vocab = head.weight.shape[0]
+    ids = ((torch.arange(PROBE_TOKENS, device=head.weight.device) * 7919 + 11) % vocab).unsqueeze(0)
+    was_training = model.training
+    model.eval()  # dropout off: both runs must see the same network
+    try:
+        with torch.no_grad():
+            output = decoder(input_ids=ids, use_cache=False)
+            hidden = getattr(output, "last_hidden_state", None)
+            if not isinstance(hidden, Tensor):
+                raise ConfigError(
+                    f"loss_fn: FusedLinearCrossEntropy needs the last hidden state of {name}, but its decoder "
+                    f"({type(decoder).__name__}) returns {type(output).__name__} without one; allowed: "
+                    "loss_fn._target_: remat.loss.MaskedCrossEntropy")
+            expected = model(input_ids=ids, use_cache=False).logits.float()
+            rebuilt = _apply_head(hidden.float(), head)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 (any failure of the probe is said in one line, not a traceback)
+        raise ConfigError(f"loss_fn: FusedLinearCrossEntropy cannot rebuild the logits of {name} from its decoder "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); allowed: loss_fn._target_: "
+                          "remat.loss.MaskedCrossEntropy") from None
+    finally:
+        model.train(was_training)
+    if rebuilt.shape != expected.shape:
+        raise ConfigError(f"loss_fn: the logits of {name} have shape {tuple(expected.shape)}, the fused loss's "
+                          f"{tuple(rebuilt.shape)}; allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy")
+    tolerance = PROBE_TOLERANCE.get(head.weight.dtype, LOW_PRECISION_TOLERANCE)
+    difference = float((rebuilt - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+    if not difference <= tolerance:  # NaN included
+        raise ConfigError(
+            f"loss_fn: {name} computes its logits otherwise than hidden @ lm_head.weight.T (+ bias, softcap, scale) "
+            f"as FusedLinearCrossEntropy would (relative difference {difference:.3g} on a probe of {PROBE_TOKENS} "
+            f"tokens, allowed {tolerance:g}): its loss would differ from the model's own; allowed: loss_fn._target_: "
+            "remat.loss.MaskedCrossEntropy for this model")
+
+
+def _apply_head(hidden: Tensor, head: OutputHead) -> Tensor:
+    logits = (hidden * head.hidden_scale) @ head.weight.float().T
+    if head.bias is not None:
+        logits = logits + head.bias.float()
+    if head.logit_softcap:
+        logits = head.logit_softcap * torch.tanh(logits / head.logit_softcap)
+    return logits

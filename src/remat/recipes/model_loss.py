@@ -24,7 +24,7 @@ from torch import nn
 
 from remat.data import IGNORE_INDEX
 from remat.errors import ConfigError
-from remat.loss import output_head
+from remat.loss import output_head, verify_output_head
 from remat.recipes.attention_mask import without_redundant_mask
 
 MODEL_INPUTS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
@@ -65,7 +65,8 @@ class CausalLMLoss(nn.Module):
                     "(get_decoder), so the fused loss cannot get hidden states; "
                     "use loss_fn._target_: remat.loss.MaskedCrossEntropy for this model"
                 )
-            head = output_head(base)  # checks now that the head is one the fused loss can apply
+            verify_output_head(base)  # the head the fused loss applies gives the model's own logits, or one line
+            head = output_head(base)
             if head.logit_softcap and getattr(loss_fn, "logit_softcap", "absent") is None:
                 loss_fn.logit_softcap = head.logit_softcap  # type: ignore[attr-defined]
             # Plain references, not submodules: the parameters are registered once, under `model`.

@@ -1,0 +1,140 @@
+"""The fused loss is exact or refused on every causal LM transformers ships, never silently different.
+
+Every model type of transformers' causal-LM mapping is built from a tiny config (a generic shrink of its defaults;
+types whose defaults cannot be shrunk that way, or whose own forward fails on it, are counted, not tested). For each,
+`remat.loss.verify_output_head` either passes, and then the fused loss and every gradient equal those of the
+model's own logits, or refuses in one line (ConfigError); any other exception is a failure. A deliberately wrong head
+is refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging as hf_logging
+
+from remat.errors import ConfigError
+from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy, output_head, verify_output_head
+
+#: Sizes every config gets where it has the attribute (a shrink of the defaults, not a model of any one family).
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256, "head_dim": 16,
+        "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+        "rotary_dim": 16, "n_group": 1, "topk_group": 1}
+MAX_PARAMETERS = 20_000_000
+
+
+def _tiny_model(model_type: str) -> nn.Module | None:
+    """The model of `model_type` at a tiny size, or None when the generic shrink does not give one that runs."""
+    try:
+        config = AutoConfig.for_model(model_type)
+        for part in {id(c): c for c in (config, config.get_text_config())}.values():
+            for key, value in TINY.items():
+                if isinstance(getattr(part, key, None), int) and not isinstance(getattr(part, key), bool):
+                    setattr(part, key, value)
+            if hasattr(part, "is_decoder"):
+                part.is_decoder = True  # BERT-style models are causal LMs only as decoders
+        with torch.device("meta"):
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if size > MAX_PARAMETERS:
+            return None
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+        with torch.no_grad():
+            model(input_ids=torch.arange(8).unsqueeze(0) % 200, use_cache=False)  # its own forward runs
+    except Exception:  # noqa: BLE001 (the generic shrink does not fit this family: not a test of remat)
+        return None
+    return model
+
+
+def _fused(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    head = output_head(model)
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    loss_fn = FusedLinearCrossEntropy(logit_softcap=head.logit_softcap, chunk_size=7)
+    return loss_fn(hidden * head.hidden_scale, head.weight, labels, bias=head.bias)
+
+
+@pytest.mark.slow
+def test_every_causal_lm_is_exact_or_refused_in_one_line() -> None:
+    hf_logging.set_verbosity_error()
+    outcomes: dict[str, str] = {}
+    failures: list[str] = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = _tiny_model(model_type)
+            if model is None:
+                outcomes[model_type] = "not built"
+                continue
+            try:
+                verify_output_head(model)
+            except ConfigError as err:
+                outcomes[model_type] = "refused"
+                if "\n" in str(err) or not str(err).startswith("loss_fn: "):
+                    failures.append(f"{model_type}: refusal is not one line naming loss_fn: {err}")
+                continue
+            except Exception as err:  # noqa: BLE001 (collected: a crash is a failure)
+                failures.append(f"{model_type}: {type(err).__name__}: {err}")
+                continue
+            outcomes[model_type] = "exact"
+            ids = (torch.arange(12) * 37 % 200).unsqueeze(0)
+            labels = ids.masked_fill(torch.arange(12) < 3, -100)
+            model.train()  # as in training (some models act otherwise in eval); dropout draws the same masks
+            try:
+                torch.manual_seed(1)
+                plain = MaskedCrossEntropy()(model(input_ids=ids, use_cache=False).logits, labels)
+                plain.backward()
+                expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(1)
+                fused = _fused(model, ids, labels)
+                fused.backward()
+                torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+                for name, param in model.named_parameters():
+                    if name in expected:  # within 1e-4 of the gradient's scale (fp32 sums in another order)
+                        scale = float(expected[name].abs().max())
+                        difference = float((param.grad - expected[name]).abs().max())
+                        assert difference <= 1e-4 * scale + 1e-7, f"{name}: {difference:.3g} of {scale:.3g}"
+            except AssertionError as err:
+                failures.append(f"{model_type}: passed the probe but the loss differs: {str(err)[:300]}")
+    assert not failures, "\n".join(failures)
+    counts = {kind: sum(v == kind for v in outcomes.values()) for kind in ("exact", "refused", "not built")}
+    assert counts["exact"] >= 90 and counts["refused"] >= 10, counts  # the sweep reaches most of the mapping
+    for known_wrong in ("bert", "roberta", "camembert", "xlm-roberta", "megatron-bert", "ernie", "data2vec-text"):
+        assert outcomes.get(known_wrong) in ("refused", "not built"), known_wrong
+
+
+class _TransformedHead(nn.Module):
+    """A model whose logits pass through a transform before the head: what the fused loss cannot know."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def get_decoder(self) -> nn.Module:
+        return self.model.get_decoder()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> object:
+        hidden = self.model.get_decoder()(input_ids=input_ids, **kwargs).last_hidden_state
+        out = self.model.get_output_embeddings()(torch.nn.functional.gelu(hidden))
+        return type("Out", (), {"logits": out})()
+
+
+def test_a_deliberately_wrong_head_is_refused() -> None:
+    config = AutoConfig.for_model("llama", **{k: TINY[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
+                                                                   "num_attention_heads", "num_key_value_heads")},
+                                  num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_config(config)
+    verify_output_head(model)  # the plain model passes
+    with pytest.raises(ConfigError, match=r"computes its logits otherwise than hidden @ lm_head.weight.T .*relative "
+                                          r"difference [0-9.e+-]+ on a probe of 8 tokens"):
+        verify_output_head(_TransformedHead(model))
