@@ -71,6 +71,7 @@ def test_reads_of_a_fifo_or_device_never_block(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("output_dir", "message"), [
     ("out\x00put", "out\\x00put' holds a NUL byte, which no path can"),
     ("a" * 300, "output_dir: the part 'aaaa"),
+    ("red\x1b[31m", "red\\x1b[31m' holds control characters"),
 ])
 def test_paths_no_file_system_takes_are_one_line(output_dir: str, message: str, tmp_path: Path) -> None:
     recipe = tiny_recipe(tmp_path, output_dir=str(tmp_path / output_dir))

@@ -74,10 +74,14 @@ class OutputPaths:
 
 
 def check_path_text(path: Path, key: str) -> None:
-    """ConfigError naming ``key`` for a path no file system takes: a NUL byte, or a part longer than 255 bytes."""
+    """ConfigError naming ``key`` for a path no file system takes (a NUL byte, a part longer than 255 bytes) or one
+    that would be echoed to the terminal as a control sequence (an escape, a newline)."""
     text = str(path)
     if "\x00" in text:
         raise ConfigError(f"{key}: {shown(text)} holds a NUL byte, which no path can; allowed: a path without one")
+    if not text.isprintable():
+        raise ConfigError(f"{key}: {shown(text)} holds control characters (an escape sequence, a newline), which "
+                          "every line naming the path would send to the terminal; allowed: printable characters")
     for part in path.parts:
         size = len(os.fsencode(part))
         if size > MAX_NAME_BYTES:

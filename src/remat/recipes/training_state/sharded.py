@@ -66,11 +66,12 @@ from remat.recipes.training_state.layout import (
     unwrap_model,
     write_marker,
 )
-from remat.recipes.training_state.dcp_reader import (
+from remat.recipes.training_state.data_only import (
     DCP_DIR,
     SafeFileSystemReader,
     UnsafeCheckpointError,
     WeightsOnlyLoadPlanner,
+    load_weights_only,
 )
 from remat.recipes.training_state.verify import raise_if_unverified
 
@@ -149,12 +150,11 @@ def load_sharded_checkpoint(
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
                           "remat.recipes.training_state.single.load_checkpoint")
     train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
-    scheduler_state = (torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
-                       if lr_scheduler is not None else None)
+    scheduler_state = load_weights_only(path / SCHEDULER_FILE) if lr_scheduler is not None else None
     rng_file = path / RNG_DIR / f"rank_{_rank()}.pt"
     if not rng_file.is_file():  # fewer ranks saved than now load: take rank 0's generators
         rng_file = path / RNG_DIR / "rank_0.pt"
-    rng_state = torch.load(rng_file, map_location="cpu", weights_only=True)
+    rng_state = load_weights_only(rng_file)
     inner = unwrap_model(model)
     model_state, optim_state = _state_dicts(inner, optimizer)
     state: dict[str, Any] = {"model": model_state}

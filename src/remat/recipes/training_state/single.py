@@ -36,6 +36,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from remat.errors import ConfigError
+from remat.recipes.training_state.data_only import load_weights_only
 from remat.recipes.training_state.layout import (
     ADAPTER_DIR,
     LATEST_FILE,
@@ -136,7 +137,7 @@ def load_checkpoint(
         given = "a peft model" if is_peft else "a model without peft adapters"
         raise ConfigError(f"checkpoint {path} holds {saved} but {given} was given; build the model the same way.")
     train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
-    rng_state = torch.load(path / RNG_STATE_FILE, map_location="cpu", weights_only=True)
+    rng_state = load_weights_only(path / RNG_STATE_FILE)
     optimizer_state = _read_state(path / OPTIMIZER_FILE, "optimizer") if optimizer is not None else None
     scheduler_state = _read_state(path / SCHEDULER_FILE, "lr_scheduler") if lr_scheduler is not None else None
     if is_peft:
@@ -288,7 +289,7 @@ def _load_adapter(model: nn.Module, directory: Path) -> None:
 def _read_state(file: Path, what: str) -> Any:
     if not file.is_file():
         raise ConfigError(f"checkpoint {file.parent} has no {file.name}, so the {what} state cannot be restored.")
-    return torch.load(file, map_location="cpu", weights_only=True)
+    return load_weights_only(file)
 
 
 def _load_state_into(target: Any, state: Any, file: Path, what: str) -> None:

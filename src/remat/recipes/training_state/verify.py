@@ -40,7 +40,7 @@ from remat.recipes.training_state.layout import (
     read_pointer,
     step_directories,
 )
-from remat.recipes.training_state.dcp_reader import DCP_DIR, metadata_problem
+from remat.recipes.training_state.data_only import DCP_DIR, metadata_problem
 from remat.recipes.training_state.oom_notes import NOTE_PREFIX
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""Reading a sharded (torch.distributed.checkpoint) checkpoint as data: its ``.metadata`` through an unpickler that
-admits only the types DCP's metadata is made of, and its non-tensor entries with ``torch.load(weights_only=True)``.
+"""Reading checkpoints as data: every torch file weights-only, and a sharded (torch.distributed.checkpoint)
+checkpoint's ``.metadata`` through an unpickler that admits only the types DCP's metadata is made of, its non-tensor
+entries with ``torch.load(weights_only=True)``.
 
 # NOTE [ DCP metadata is a pickle ]
 # torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with Python's full unpickler, and its default
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from remat._files import read_regular_bytes
+from remat._files import check_regular_file, read_regular_bytes
 
 #: The folder of a sharded checkpoint that DCP writes, and the metadata file in it.
 DCP_DIR = "dcp"
@@ -61,6 +62,18 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise UnsafeCheckpointError(f"{METADATA_FILE} names {module}.{name}, which DCP metadata never holds "
                                     "(refused unread: a pickle that names code could run it)")
+
+
+def load_weights_only(file: Path) -> Any:
+    """``torch.load(file, weights_only=True)`` of a checkpoint file (a regular file, no link); a pickle that names
+    anything but tensors and plain containers is an UnsafeCheckpointError in one line, not torch's long
+    UnpicklingError."""
+    check_regular_file(file, "checkpoint file", follow_symlinks=False)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = " ".join(str(err).split("\n")[0].split())[:200]
+        raise UnsafeCheckpointError(f"{file.name} is refused by weights-only loading ({first})") from None
 
 
 def read_metadata(directory: Path) -> Metadata:
