@@ -231,3 +231,39 @@ def test_a_master_port_in_use_is_one_line_before_launching(capsys: pytest.Captur
                      "--master-addr", "127.0.0.1"]) == 2
     err = capsys.readouterr().err
     assert f"error: --master-port: port {port} is already in use on this machine" in err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc (Linux)")
+def test_a_rank_whose_peer_dies_says_so_in_one_line(tmp_path: Path, remat_cache: Path) -> None:
+    """kill -9 of rank 1: rank 0's next collective fails; it says so in one line (no traceback) and exits."""
+    out = tmp_path / "run"
+    command = [str(Path(sys.executable).parent / "remat"), "finetune", str(ROOT / "examples" / "ddp_quickstart.yaml"),
+               "--nproc-per-node", "2", "--output_dir", str(out), "--tokenizer.vocab_size", "512",
+               "--dataset.seq_length", "32", "--validation_dataset", "null", "--step_scheduler.val_every_steps", "null",
+               "--step_scheduler.val_batches", "null", "--model.config", "{num_hidden_layers: 1}",
+               "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "100000",
+               "--logging.progress", "plain"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=os.environ)
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:
+            if line.startswith("step 2 |"):
+                break
+        (victim,) = [pid for pid in descendants(launcher.pid) if "LOCAL_RANK=1\0" in _environ(pid)]
+        os.kill(victim, signal.SIGKILL)
+        rest = launcher.stdout.read()
+        assert launcher.wait(timeout=120) != 0
+    finally:
+        end_tree(launcher.pid)
+    assert "rank 0: another rank's process ended (" in rest, rest[-3000:]
+    assert "Traceback" not in rest, rest[-3000:]
+
+
+def _environ(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

@@ -119,6 +119,14 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         # Every rank leaves together: rank 0 may still be drawing the run's report, and gloo's teardown was seen to
         # hang (1 in 20 ddp runs) when one rank destroyed the process group while its peer was still busy.
         recipe.dist.barrier()
+    except RuntimeError as err:
+        from remat.distributed.exit import exit_now, peer_lost
+
+        if process.world_size == 1 or not peer_lost(err):
+            raise
+        logger.error("rank %d: another rank's process ended (%s); this one stops too, the last complete checkpoint "
+                     "is kept: see that rank's own output for why", process.rank, " ".join(str(err).split())[-120:])
+        exit_now(1)
     finally:
         recipe.dist.close()
     if process.world_size > 1:  # a rank could still abort in Python's teardown: see remat.distributed.exit

@@ -28,3 +28,14 @@ def exit_now(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken stream has nothing left to write
             pass
     os._exit(code)
+
+
+#: How gloo and NCCL say that the process at the other end of a collective is gone.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+              "remote process exited or there was a network error")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether `err` (a collective's failure) says that another rank's process ended: that rank's own output says
+    why, and this one has nothing to add but one line."""
+    return isinstance(err, RuntimeError) and any(sign in str(err) for sign in _PEER_LOST)
