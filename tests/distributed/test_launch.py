@@ -169,14 +169,7 @@ def test_workers_stop_and_save_when_the_launcher_is_killed(tmp_path: Path, remat
     """kill -9 of the ``remat`` launcher: both workers notice their parent is gone, finish the step, save, release
     the run's lock and exit, instead of running on as orphans."""
     out = tmp_path / "run"
-    command = [str(Path(sys.executable).parent / "remat"), "finetune", str(ROOT / "examples" / "ddp_quickstart.yaml"),
-               "--nproc-per-node", "2", "--output_dir", str(out), "--tokenizer.vocab_size", "512",
-               "--dataset.seq_length", "32", "--validation_dataset", "null", "--step_scheduler.val_every_steps", "null",
-               "--step_scheduler.val_batches", "null", "--model.config", "{num_hidden_layers: 1}",
-               "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "100000",
-               "--logging.progress", "plain"]
-    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=os.environ)
+    launcher = _endless_ddp_run(out)
     lines: list[str] = []
     try:
         assert launcher.stdout is not None
@@ -239,14 +232,7 @@ def test_a_master_port_in_use_is_one_line_before_launching(capsys: pytest.Captur
 def test_a_rank_whose_peer_dies_says_so_in_one_line(tmp_path: Path, remat_cache: Path) -> None:
     """kill -9 of rank 1: rank 0's next collective fails; it says so in one line (no traceback) and exits."""
     out = tmp_path / "run"
-    command = [str(Path(sys.executable).parent / "remat"), "finetune", str(ROOT / "examples" / "ddp_quickstart.yaml"),
-               "--nproc-per-node", "2", "--output_dir", str(out), "--tokenizer.vocab_size", "512",
-               "--dataset.seq_length", "32", "--validation_dataset", "null", "--step_scheduler.val_every_steps", "null",
-               "--step_scheduler.val_batches", "null", "--model.config", "{num_hidden_layers: 1}",
-               "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "100000",
-               "--logging.progress", "plain"]
-    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=os.environ)
+    launcher = _endless_ddp_run(out)
     try:
         assert launcher.stdout is not None
         for line in launcher.stdout:
@@ -267,3 +253,15 @@ def _environ(pid: int) -> str:
         return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def _endless_ddp_run(out: Path) -> subprocess.Popen[str]:
+    """``remat finetune`` of a 1-layer ddp model on 2 processes that trains until stopped, output on one pipe."""
+    command = [str(Path(sys.executable).parent / "remat"), "finetune", str(ROOT / "examples" / "ddp_quickstart.yaml"),
+               "--nproc-per-node", "2", "--output_dir", str(out), "--tokenizer.vocab_size", "512",
+               "--dataset.seq_length", "32", "--validation_dataset", "null", "--step_scheduler.val_every_steps", "null",
+               "--step_scheduler.val_batches", "null", "--model.config", "{num_hidden_layers: 1}",
+               "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "100000",
+               "--logging.progress", "plain"]
+    return subprocess.Popen(command, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ)
