@@ -13,6 +13,7 @@ import transformers
 from ckpt_models import assert_same_grads, batch, step_grads, tiny_model
 from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 from custom_models import MixerLM, NoStack, TinyLM, lm_loss
+from torch import nn
 
 from remat.checkpointing import (
     CheckpointingWarning,
@@ -212,3 +213,32 @@ def test_custom_model_gradients_and_deepcopy() -> None:
                 p.mul_(0.5)
         assert_same_grads(expected, grads(candidate))  # halving the twin's weights did not touch the original
         assert is_checkpointed(twin)
+
+
+class _IndexedAttention(nn.Module):
+    """A block whose attention is a ModuleList of two halves that it indexes: the wrapped list never runs."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn = nn.ModuleList([nn.Linear(dim, dim), nn.Linear(dim, dim)])
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn[1](self.attn[0](x))
+        return x + self.mlp(x)
+
+
+def test_a_wrapped_module_the_block_never_calls_is_an_error_on_the_first_forward() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList(_IndexedAttention(8) for _ in range(2))
+    plan = apply_activation_checkpointing(model, "attention")
+    assert plan.wrapped_modules == ("layers.0.attn", "layers.1.attn")
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointingError, match=r"policy 'attention' wrapped layers.0.attn, but layers.0 ran "
+                                                 r"without calling it .*nothing would be recomputed there"):
+        model.layers[0](x)
+    # A block that calls what was wrapped passes, once; the hooks are gone after its first forward.
+    model2 = TinyLM(layers=2)
+    apply_activation_checkpointing(model2, "attention")
+    model2(torch.randint(0, 64, (2, 8))).sum().backward()
+    assert all(not block._forward_hooks and not block.attn._forward_pre_hooks for block in model2.trunk.blocks)

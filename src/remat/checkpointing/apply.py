@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.checkpointing.discovery import find_blocks, find_final_norms
@@ -78,6 +80,7 @@ def apply_activation_checkpointing(
     runners.update(outside)
     for name, runner in runners.items():
         wrap_forward(modules[name], runner)
+    _watch_first_run(modules, plan)
 
     notes = list(plan.notes)
     if outside:
@@ -95,6 +98,49 @@ def apply_activation_checkpointing(
     for note in plan.notes:
         logger.info("activation checkpointing: %s", note)
     return plan
+
+
+def _watch_first_run(modules: dict[str, nn.Module], plan: CheckpointPlan) -> None:
+    """Check, the first time each block runs, that the sub-modules wrapped in it (its attention or MLP) were called:
+    a block that reaches them another way (indexing the members of an ``nn.ModuleList`` it holds, say) would leave
+    the wrapped forward unused, and the policy would recompute nothing there while the plan says it does.
+
+    # NOTE [ Checking what ran, not what was wrapped ]
+    # `resolve_plan` refuses a policy that wraps nothing, but wrapping a module does not make the block call it.
+    # The check runs once per block, on its first forward (hooks that remove themselves), so steps after the first
+    # pay nothing; under torch.compile the hooks do nothing (the eager first steps of other runs cover the model).
+    """
+    called: set[str] = set()
+    for layer in plan.layers:
+        inner = [name for name in layer.wrapped if name != layer.name]
+        if not inner or layer.name not in modules:
+            continue
+        handles = [modules[name].register_forward_pre_hook(_mark_called(called, name)) for name in inner]
+        check = _check_called(called, layer.name, inner, plan, handles)
+        handles.append(modules[layer.name].register_forward_hook(check))
+
+
+def _mark_called(called: set[str], name: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            called.add(name)
+    return hook
+
+
+def _check_called(called: set[str], block: str, inner: list[str], plan: CheckpointPlan,
+                  handles: list[Any]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for handle in handles:  # once per block: later steps pay nothing
+            handle.remove()
+        missed = [name for name in inner if name not in called]
+        if missed:
+            raise CheckpointingError(
+                f"policy {plan.policy.describe()!r} wrapped {', '.join(missed)}, but {block} ran without calling "
+                f"{'it' if len(missed) == 1 else 'them'} (it reaches its members another way): nothing would be "
+                "recomputed there; allowed: a policy that wraps whole blocks (full, selective, sqrt, offload)")
+    return hook
 
 
 def remove_activation_checkpointing(model: nn.Module) -> int:
