@@ -197,6 +197,10 @@ def is_disk_full(err: BaseException) -> bool:
         text = str(current)
         if any(sign in text for sign in _DISK_FULL_TEXTS):
             return True
+        failures = getattr(current, "failures", None)  # torch.distributed.checkpoint: what each rank raised
+        if isinstance(failures, dict) and any(is_disk_full(f[0]) for f in failures.values()
+                                              if isinstance(f, tuple) and f and isinstance(f[0], BaseException)):
+            return True
         current = current.__cause__ or current.__context__
     return False
 

@@ -107,3 +107,17 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
                               "needs ") and " free; " in message and "\n" not in message
     latest = find_latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert latest is not None and latest.name == "step_2"
+
+
+def test_a_full_disk_on_another_rank_of_a_sharded_save_is_recognised() -> None:
+    """torch.distributed.checkpoint wraps each rank's error in a CheckpointException (a BaseException)."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from remat._files import is_disk_full
+
+    full = CheckpointException("save", {1: (OSError(errno.ENOSPC, "No space left on device"), traceback.StackSummary())})
+    other = CheckpointException("save", {1: (ValueError("shape"), traceback.StackSummary())})
+    assert is_disk_full(full) and not is_disk_full(other)

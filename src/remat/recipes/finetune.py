@@ -379,8 +379,8 @@ class FinetuneRecipe:
         refuse_to_save(self.step, self.model, self.optimizer, self.dist, self.checkpoint_dir)
         try:
             path = state_store(self.dist).save(self.checkpoint_dir, self.step, **arguments)
-        except Exception as err:
-            if not is_disk_full(err):
+        except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)) or not is_disk_full(err):
                 raise
             raise disk_full_error(err, self.checkpoint_dir, _checkpoint_bytes(self.model, self.optimizer)) from None
         reporter.info(f"saved checkpoint {path}")
