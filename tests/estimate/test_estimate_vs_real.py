@@ -261,3 +261,16 @@ def test_the_seed_recipe_estimate_runs_and_is_in_range(capsys: pytest.CaptureFix
     peak_line = next(line for line in printed.splitlines() if line.startswith("peak "))
     assert 4.5 < float(peak_line.split()[1]) < 8.0  # GiB
     assert "fits 80.00 GiB: yes" in printed and "flash x32" in printed  # 16 layers, recomputed once
+
+
+@pytest.mark.parametrize(("dtype", "policy"), [("float32", "none"), ("float32", "selective"), ("float16", "full")])
+def test_a_float_moe_model_is_estimated_to_the_byte(dtype: str, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE experts run ``torch._grouped_mm``, whose fake-tensor shape function in torch 2.11-2.13 takes bfloat16
+    only: the simulation gives it a shape rule of its own for other float dtypes, and the estimate equals the real
+    step's tracked peak."""
+    moe = ModelConfig(preset="tiny-moe", config={"num_hidden_layers": 2}, dtype=dtype)
+    monkeypatch.setattr(__import__(__name__), "_model", lambda settings: moe)
+    settings = StepSettings(batch_size=2, seq_length=64, target="cpu", policy=policy, loss="plain")
+    estimate = estimate_memory(moe, settings)
+    first, steady, _ = _real_peaks(settings)
+    assert estimate.peak_bytes == steady and estimate.first_step_peak_bytes == first

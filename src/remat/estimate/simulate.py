@@ -41,6 +41,7 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
@@ -143,6 +144,8 @@ class _SimulationMode(TorchDispatchMode):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         if not self.cuda:
+            if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
+                return _grouped_mm_output(*args, **kwargs)
             return func(*args, **kwargs)
         if func is CPU_ATTENTION_OP:
             self.cpu_attention_calls += 1
@@ -151,6 +154,32 @@ class _SimulationMode(TorchDispatchMode):
             return func(*args, **kwargs)
         finally:
             del workspace
+
+
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+
+
+def _grouped_mm_output(mat_a: Tensor, mat_b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> Tensor:
+    """The output of ``torch._grouped_mm`` (MoE experts) for float32 and float16 inputs on the CPU.
+
+    # NOTE [ A shape rule for float experts ]
+    # The CPU kernel of ``_grouped_mm`` takes every float dtype, but the shape function fake tensors run (torch
+    # 2.11-2.13) asserts bfloat16, so a float32 MoE model could be trained and not estimated or planned. Its output
+    # is one new tensor whose shape follows the four cases of 2-d and 3-d operands; allocating that tensor here (the
+    # tracker counts it) is all the simulation needs. bfloat16 and CUDA still go through torch's own rule.
+    """
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        assert offs is not None
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
 def simulation_mode(target: Target) -> TorchDispatchMode:
@@ -235,10 +264,10 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
                            autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm, mark=mark)
                 del on_device, micro_batches
         except RuntimeError as err:
-            if "Expected inputs of BF16 type" in str(err):  # torch._grouped_mm's shape function (MoE experts)
-                raise ConfigError(f"dtype: {recipe.model.dtype!r} cannot be simulated for {recipe.model.describe()}: "
-                                  "its experts run torch._grouped_mm, whose shape function (used on fake tensors) "
-                                  "accepts bfloat16 inputs only; allowed: dtype bfloat16") from err
+            if "Expected inputs of BF16 type" in str(err):  # torch._grouped_mm's CUDA shape function (MoE experts)
+                raise ConfigError(f"dtype: {recipe.model.dtype!r} cannot be simulated for {recipe.model.describe()} "
+                                  "on CUDA: its experts run torch._grouped_mm, whose CUDA kernel and shape function "
+                                  "take bfloat16 inputs only; allowed: dtype bfloat16 (or target cpu)") from err
             raise
         finally:
             hook.remove()
