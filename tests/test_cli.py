@@ -36,7 +36,7 @@ def test_config_error_is_one_message_without_traceback(tmp_path: Path, capsys: p
     assert main(["finetune", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: invalid recipe:")
-    assert "step_scheduler.max_step: unknown key; did you mean 'step_scheduler.max_steps'" in err
+    assert "step_scheduler.max_step: unknown key (did you mean 'step_scheduler.max_steps'" in err
     assert "Traceback" not in err
 
 

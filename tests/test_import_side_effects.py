@@ -66,7 +66,7 @@ def test_a_recipe_mistake_is_reported_before_torch_loads(tmp_path: Path) -> None
     recipe.write_text("model: {preset: tiny-llama}\nstep_sceduler: {max_steps: 2}\n")
     done = _run_cli("finetune", str(recipe), cwd=tmp_path)
     assert done.returncode == 2
-    assert "step_sceduler: unknown key; did you mean 'step_scheduler'?" in done.stderr
+    assert "step_sceduler: unknown key (did you mean 'step_scheduler'?); allowed keys here" in done.stderr
     assert "heavy: []" in done.stderr
 
 

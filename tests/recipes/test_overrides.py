@@ -55,7 +55,7 @@ def test_override_with_mapping_policy(recipe: Path) -> None:
 
 
 def test_unknown_override_key_is_named(recipe: Path) -> None:
-    with pytest.raises(ConfigError, match=r"step_scheduler\.max_stpes: unknown key; did you mean 'step_scheduler\.max_steps'"):
+    with pytest.raises(ConfigError, match=r"step_scheduler\.max_stpes: unknown key \(did you mean 'step_scheduler\.max_steps'\?\); allowed"):
         load_recipe(recipe, ["--step_scheduler.max_stpes", "10"])
 
 

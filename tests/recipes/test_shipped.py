@@ -73,3 +73,12 @@ def test_unreadable_recipe_files_are_one_line(tmp_path: Path, content: bytes, me
         path.chmod(0)
         with pytest.raises(ConfigError, match="cannot be read: Permission denied"):
             read_yaml(path)
+
+
+def test_a_copied_recipe_in_the_current_directory_wins_over_the_shipped_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`remat recipes copy quickstart`, edit, `remat finetune quickstart`: the edited copy runs, and is named."""
+    monkeypatch.chdir(tmp_path)
+    copy_recipe("quickstart", tmp_path)
+    assert find_recipe("quickstart") == Path("quickstart.yaml")
+    assert find_recipe("ddp_quickstart") == shipped_recipes()["ddp_quickstart"].path  # no copy here: the shipped one

@@ -68,6 +68,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.trust_remote_code:  # the workers get it as the override, which the recipe loader accepts
         overrides += ["--model.trust_remote_code", "true"]
     data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
+    if "LOCAL_RANK" not in os.environ:  # said once: by the launcher or the single process, not by every worker
+        from remat.recipes.shipped import find_recipe
+
+        logger.info("recipe: %s", find_recipe(args.recipe))
     planned = asks_for_auto(data)
     cfg = None if planned else validate_recipe(data)
     if cfg is not None and args.print_config:

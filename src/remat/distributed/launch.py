@@ -149,6 +149,10 @@ def launch(options: LaunchOptions, worker_args: Sequence[str]) -> int:
     options.check()
     check_port_free(options)
     share_store_off(options)
+    if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node not in (None, "1"):
+        # torchrun's own default for several workers per node, set here so that it does not print its 4-line banner
+        # about it at every start
+        os.environ["OMP_NUM_THREADS"] = "1"
     argv = [*options.torchrun_args(), *worker_command(worker_args)]
     logger.info("launching: torchrun %s", " ".join(argv))
     try:

@@ -361,7 +361,7 @@ def _describe(item: Mapping[str, Any], loc: list[str], key: str, root: type[Base
     if kind == "extra_forbidden":
         allowed = _allowed_keys(root, loc[:-1])
         close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
-        hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])!r}?" if close else ""
+        hint = f" (did you mean {'.'.join([*loc[:-1], close[0]])!r}?)" if close else ""
         return f"{key}: unknown key{hint}; allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required key is missing"

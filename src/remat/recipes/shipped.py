@@ -47,12 +47,15 @@ def _summary(text: str, width: int = 100) -> str:
 
 
 def find_recipe(argument: str | Path) -> Path:
-    """The recipe file ``argument`` names: an existing path, else a shipped recipe's name (``quickstart`` or
-    ``quickstart.yaml``); ConfigError listing the shipped names when it is neither."""
+    """The recipe file ``argument`` names: an existing path, else ``NAME.yaml`` in the current directory for a bare
+    name (the copy ``remat recipes copy NAME`` wrote, which the user may have edited), else a shipped recipe's name
+    (``quickstart`` or ``quickstart.yaml``); ConfigError listing the shipped names when it is none of these."""
     path = Path(argument)
     try:
         if path.exists() or path.is_symlink():
             return path
+        if not path.suffix and len(path.parts) == 1 and path.with_suffix(".yaml").is_file():
+            return path.with_suffix(".yaml")
     except (ValueError, OSError) as err:  # a NUL byte, a name too long for the file system
         raise ConfigError(f"recipe {shown(os.fspath(argument))}: not a usable path ({err}); give the path of a YAML "
                           "recipe or a shipped recipe's name") from None
