@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from remat.errors import ConfigError, MachineFault
+from remat.units import format_bytes
 
 #: How torch's zip writer and safetensors say ENOSPC when they do not raise an OSError.
 _DISK_FULL_TEXTS = ("No space left on device", "os error 28", "PytorchStreamWriter failed writing file")
@@ -226,11 +227,7 @@ def _reason(err: OSError) -> str:
 
 
 def _size(num: int | None) -> str:
-    if num is None:
-        return "?"
-    if num < 1024**3:
-        return f"{num / 1024**2:.3g} MiB"
-    return f"{num / 1024**3:.3g} GiB"
+    return "?" if num is None else format_bytes(num)
 
 
 __all__ = ["check_regular_file", "disk_full_error", "fsync_path", "is_disk_full", "kind_of", "open_append",

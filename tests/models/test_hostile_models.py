@@ -67,7 +67,7 @@ def test_integer_weights_are_refused_not_cast(saved: Path, tmp_path: Path) -> No
 @pytest.mark.parametrize(("config", "message"), [
     ({"num_hidden_layers": 1_000_000}, "model: num_hidden_layers 1000000; allowed: at most 4096"),
     ({"hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 200, "num_attention_heads": 64},
-     "model: the parameters alone need at least 25 TiB (num_hidden_layers 200, hidden_size 65536"),
+     "model: the parameters alone need at least 25.0 TiB (num_hidden_layers 200, hidden_size 65536"),
     ({"max_position_embeddings": -1}, "model.config.max_position_embeddings: got -1; allowed: an integer >= 1"),
 ])
 def test_shapes_that_cannot_be_built_answer_before_allocating(config: dict[str, int], message: str) -> None:

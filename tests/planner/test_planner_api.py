@@ -120,8 +120,9 @@ def test_a_plan_for_a_model_is_applied_by_apply_activation_checkpointing() -> No
 
 
 def test_nothing_fits_names_the_smallest_plan_and_what_would_help() -> None:
-    with pytest.raises(ConfigError, match=r"distributed.memory_budget: nothing fits 0.00 GiB; the smallest plan "
-                                          r"\(full: full\) needs 0.\d\d GiB predicted\. What would help: a smaller "
+    # Sizes people can read: the 1 MiB budget and the need in MiB, the policy named once.
+    with pytest.raises(ConfigError, match=r"distributed.memory_budget: nothing fits 1.00 MiB; the smallest plan "
+                                          r"\(full\) needs \d\d\d MiB predicted\. What would help: a smaller "
                                           r"micro-batch .*FSDP.*the fused loss"):
         plan_activation_checkpointing("tiny-llama", memory_budget=2**20, batch_size=4, seq_length=512, target="cpu")
 

@@ -106,7 +106,7 @@ def test_remat_profile_on_the_cpu_gives_table_json_png_and_calibration(
     assert re.search(r"^setting +policy +peak GiB +x none +median step s", printed, flags=re.M)
     assert f"auto@{budget}: planned for" in printed and "calibration: " in printed
     assert f"profile [3/4, round 2/2] auto@{budget}" in printed  # progress, one line per setting and round
-    assert "profile [4/4, round 1/2] auto@1MiB: distributed.memory_budget: nothing fits 0.00 GiB" in printed
+    assert "profile [4/4, round 1/2] auto@1MiB: distributed.memory_budget: nothing fits 1.00 MiB" in printed
     assert re.search(r"^auto@1MiB +- +- +-", printed, flags=re.M)
 
     report = json.loads(out.read_text())

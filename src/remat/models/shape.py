@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor  # what tensors are under t
 from transformers import PretrainedConfig
 
 from remat.errors import ConfigError
+from remat.units import format_bytes
 
 POSITIVE_KEYS: Final[tuple[str, ...]] = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -96,7 +97,7 @@ def check_buildable(config: PretrainedConfig, element_bytes: int, device: Any, k
     shape = ", ".join(f"{name} {getattr(config, name)}" for name in ("num_hidden_layers", "hidden_size",
                                                                      "intermediate_size", "vocab_size")
                       if _int(getattr(config, name, None)))
-    raise ConfigError(f"{key}: the parameters alone need at least {_gib(need)} ({shape}), more than the {_gib(have)} "
+    raise ConfigError(f"{key}: the parameters alone need at least {format_bytes(need)} ({shape}), more than the {format_bytes(have)} "
                       f"of {where}; allowed: a smaller shape, or a device with more memory (FSDP2 over several)")
 
 
@@ -116,5 +117,3 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def _gib(num: int) -> str:
-    return f"{num / 1024**3:,.3g} GiB" if num < 1024**4 else f"{num / 1024**4:,.3g} TiB"

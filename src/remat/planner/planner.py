@@ -39,6 +39,7 @@ from remat.planner.advice import moe_selective_note
 from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
 from remat.planner.result import GIB, ActivationPlan, BlockChoice, Candidate
+from remat.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -272,10 +273,11 @@ class Planner:
                          "logits)")
         if s.seq_length > 2:
             helps.append(f"shorter sequences (dataset.seq_length, now {s.seq_length})")
+        described = smallest.policy.describe()
+        name = smallest.label if smallest.label == described else f"{smallest.label}: {described}"
         return ConfigError(
-            f"distributed.memory_budget: nothing fits {budget_bytes / GIB:.2f} GiB; the smallest plan "
-            f"({smallest.label}: {smallest.policy.describe()}) needs {smallest.peak_bytes / GIB:.2f} GiB predicted. "
-            f"What would help: {'; '.join(helps)}")
+            f"distributed.memory_budget: nothing fits {format_bytes(budget_bytes)}; the smallest plan "
+            f"({name}) needs {format_bytes(smallest.peak_bytes)} predicted. What would help: {'; '.join(helps)}")
 
 
 def _uniform_policy(modes: tuple[Mode, ...]) -> CheckpointPolicy:

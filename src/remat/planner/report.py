@@ -11,6 +11,7 @@ from typing import Any
 from remat.planner.measure import BlockMeasurements
 from remat.planner.planner import Planner
 from remat.planner.result import GIB, ActivationPlan, Candidate, candidate_rows
+from remat.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def plot_plans(frontier: Sequence[Candidate], answers: Sequence[BudgetAnswer], p
         if answer.plan is not None:
             chosen = next(c for c in answer.plan.candidates if c.policy == answer.plan.policy)
             ax.scatter([x(chosen)], [chosen.peak_bytes / GIB], marker="*", s=180, color=color, zorder=4,
-                       label=f"chosen for {answer.budget_bytes / GIB:.0f} GiB")
+                       label=f"chosen for {format_bytes(answer.budget_bytes)}")
     ax.set_xlabel("predicted recompute (% of the step's FLOPs)")
     ax.set_ylabel("predicted peak (GiB)")
     ax.set_title("remat plan: memory against recompute")

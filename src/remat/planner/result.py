@@ -14,6 +14,7 @@ from typing import Any
 
 from remat.checkpointing import CheckpointPolicy
 from remat.checkpointing.policy import Mode
+from remat.units import format_bytes, format_flops
 
 GIB = 2**30
 
@@ -142,8 +143,8 @@ class ActivationPlan:
         """One line: policy, predicted peak against the budget, and the recompute overhead."""
         transfers = (f"; host<->device copies {self.transfer_bytes / 1e9:.2f} GB (~{self.transfer_seconds:.3f} s at "
                      f"{self.host_bandwidth / 1e9:g} GB/s)" if self.transfer_bytes else "")
-        return (f"{self.policy.describe()}: predicted peak {self.peak_bytes / GIB:.2f} GiB of "
-                f"{self.budget_bytes / GIB:.2f} GiB budget; recompute {self.recompute_flops / 1e12:.2f} TFLOP "
+        return (f"{self.policy.describe()}: predicted peak {format_bytes(self.peak_bytes)} of "
+                f"{format_bytes(self.budget_bytes)} budget; recompute {format_flops(self.recompute_flops)} "
                 f"(+{100 * self.overhead:.1f}% of the step, ~{self.recompute_seconds:.3f} s at "
                 f"{self.flops_per_second / 1e12:g} TFLOP/s){transfers}")
 
