@@ -259,3 +259,19 @@ def test_auto_plans_a_lora_recipe_with_its_adapters(tmp_path: Path) -> None:
     cfg, plan = load_planned_recipe(path, [("distributed.memory_budget", budget)])
     assert plan is not None and full.peak_bytes <= plan.peak_bytes <= budget
     assert cfg.peft is not None and cfg.peft.r == 4 and cfg.distributed.activation_checkpointing == plan.policy
+
+
+def test_remat_plan_plans_for_what_the_recipe_would_train_on_here(tmp_path: Path) -> None:
+    """``device: auto`` on a machine without a GPU trains on the CPU, so remat plan plans for it (as remat finetune
+    and the Python API do); ``--target cuda`` plans for a GPU this machine does not have."""
+    import torch
+
+    from remat.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: device auto trains on it here")
+    path = _recipe_file(tmp_path, device="auto")
+    for flags, expected in (([], "cpu"), (["--target", "cuda"], "cuda")):
+        out = tmp_path / f"plan-{expected}.json"
+        assert main(["plan", str(path), "--budget", "1GiB", "--json", str(out), *flags]) == 0
+        assert json.loads(out.read_text())["target"] == expected

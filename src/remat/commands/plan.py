@@ -41,8 +41,9 @@ def register(subparsers: Any) -> None:
                         help="memory budget per rank: bytes, a size such as 40GiB, or a fraction of the GPU's "
                              "memory; repeat it to plan several budgets in one run")
     parser.add_argument("--target", choices=("cuda", "cpu"),
-                        help="plan for a CUDA GPU (default, unless the recipe's distributed.device is cpu) or the "
-                             "CPU")
+                        help="plan for a CUDA GPU or the CPU; default: what the recipe would train on here, as "
+                             "remat finetune plans it (distributed.device cpu, or auto without a GPU: cpu). "
+                             "--target cuda plans for a GPU this machine does not have")
     parser.add_argument("--world-size", type=int, help="data-parallel ranks (ddp / fsdp2 recipes without dp_size)")
     parser.add_argument("--flops-per-second", type=float,
                         help="throughput recompute is priced at (default: 4e14 for cuda, 5e10 for cpu)")
@@ -59,7 +60,13 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.errors import ConfigError
-    from remat.planner.api import loss_chooser_for_recipe, planner_for_recipe, recipe_budget, recipe_for_planning
+    from remat.planner.api import (
+        default_target,
+        loss_chooser_for_recipe,
+        planner_for_recipe,
+        recipe_budget,
+        recipe_for_planning,
+    )
     from remat.planner.report import BudgetAnswer, plot_plans, report_dict, report_text
     from remat.recipes.loader import load_recipe_data
 
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if value:
             check_output_file(Path(value), flag)
     cfg = recipe_for_planning(load_recipe_data(args.recipe, overrides))
-    target = args.target or ("cpu" if cfg.distributed.device == "cpu" else "cuda")
+    target = args.target or default_target(cfg.distributed.device)  # one rule with remat finetune and Python
     budgets = [recipe_budget(cfg, budget, target, key="--budget") for budget in (args.budget or [None])]
     options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}
     options["flops_per_second"] = _flops_per_second(args, target)
