@@ -83,3 +83,32 @@ def test_listing_the_shipped_recipes_loads_neither_torch_nor_transformers(tmp_pa
     done = _run_cli("recipes", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "quickstart" in done.stdout and "heavy: []" in done.stderr
+
+
+def _recipe(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {preset: tiny-llama}\nstep_scheduler: {global_batch_size: 2, local_batch_size: 2, "
+                    "max_steps: 1}\n" + text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("finetune", "{recipe}"), "dataset.path: '/no/such/data.jsonl' does not exist"),
+    (("finetune", "{plain}", "--nproc-per-node", "2"), "distributed.strategy: 'single' runs one process, but the "
+                                                         "launch has 2"),
+    (("finetune", "{auto}"), "distributed.memory_budget: required here: planning for the CPU"),
+    (("report", "{missing}"), "is not a directory; give a run's output_dir"),
+    (("estimate", "--preset", "tiny-llama", "--fits", "80"), "error: --fits: got '80'; allowed: a number with a unit"),
+])
+def test_mistakes_that_need_no_model_are_said_before_torch_loads(args: tuple[str, ...], message: str,
+                                                                  tmp_path: Path) -> None:
+    """Issue #23 item 3: each answers in one line without importing torch or transformers (well under 2 s)."""
+    recipe = _recipe(tmp_path, "dataset: {path: /no/such/data.jsonl, seq_length: 32}\n")
+    (tmp_path / "auto").mkdir()
+    auto = _recipe(tmp_path / "auto", "distributed: {activation_checkpointing: auto, device: cpu}\n")
+    (tmp_path / "plain").mkdir()
+    plain = _recipe(tmp_path / "plain", "")
+    filled = [a.format(recipe=recipe, auto=auto, plain=plain, missing=tmp_path / "nope") for a in args]
+    done = _run_cli(*filled, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "heavy: []" in done.stderr, done.stderr

@@ -3,6 +3,11 @@ GFLOP below a TFLOP; never "0.06 GiB needs 0.06 GiB"."""
 
 from __future__ import annotations
 
+import re
+from typing import Final
+
+from remat.errors import ConfigError
+
 KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
@@ -34,3 +39,27 @@ def _three(value: float) -> str:
     if abs(value) >= 10:
         return f"{value:.1f}"
     return f"{value:.2f}"
+
+
+UNITS: Final[dict[str, int]] = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+}
+"""Size units as written in ``--fits`` and budgets (matched case-insensitively): KB/MB/GB/TB are powers of 1000;
+KiB/MiB/GiB/TiB and the bare K/M/G/T (as Slurm's ``--mem=80G`` and nvidia-smi write them) are powers of 1024."""
+_UNIT_BY_LOWER: Final[dict[str, int]] = {name.lower(): size for name, size in UNITS.items()}
+_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*$")
+
+
+def parse_capacity(text: str, *, key: str = "--fits") -> int:
+    """Bytes in a size such as ``"80GiB"``, ``"80G"``, ``"80 GB"`` or ``"24576MiB"`` (a unit is required; see `UNITS`:
+    G and GiB are 2^30 bytes, GB is 10^9); ConfigError naming ``key`` otherwise. Light: no torch, so a command line
+    is checked before anything heavy loads."""
+    match = _CAPACITY.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNIT_BY_LOWER:
+        raise ConfigError(f"{key}: got {text!r}; allowed: a number with a unit, one of {', '.join(UNITS)} "
+                          "(case-insensitive; K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000; "
+                          "e.g. 80GiB or 80G)")
+    return int(float(match.group(1)) * _UNIT_BY_LOWER[unit])

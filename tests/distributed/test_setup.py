@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from remat.data import IGNORE_INDEX
 from remat.distributed import DistributedSetup, ProcessEnv, clip_grad_norm, total_grad_norm, under_torchrun
-from remat.distributed.setup import validate_settings
+from remat.distributed.layout import validate_settings
 from remat.distributed.tensor_parallel import TP_PLANS, check_divisible, tp_plan_for
 from remat.errors import ConfigError
 from remat.recipes.finetune import sharded_eval_batches

@@ -98,16 +98,18 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from remat.commands.estimate_longest import check_arguments, longest_rows, run_longest
-    from remat.estimate.api import estimate_memory
-    from remat.estimate.report import breakdown_table, parse_capacity, plot_breakdowns, print_comparison
     from remat.recipes.output_paths import check_output_file
+    from remat.units import parse_capacity
 
-    check_arguments(args)
-    capacity = parse_capacity(args.fits) if args.fits else None
+    capacity = parse_capacity(args.fits) if args.fits else None  # said before torch loads
     for flag, value in (("--json", args.json), ("--plot", args.plot)):
         if value:
             check_output_file(Path(value), flag)
+    from remat.commands.estimate_longest import check_arguments, longest_rows, run_longest
+    from remat.estimate.api import estimate_memory
+    from remat.estimate.report import breakdown_table, plot_breakdowns, print_comparison
+
+    check_arguments(args)
     model, base = _base(args, overrides)
     rows = _rows(args, base)
     if args.longest and capacity is not None:

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         from remat.recipes.shipped import find_recipe
 
         logger.info("recipe: %s", find_recipe(args.recipe))
+    _check_before_start(data, options)
     planned = asks_for_auto(data)
     cfg = None if planned else validate_recipe(data)
     if cfg is not None and args.print_config:
@@ -138,6 +139,36 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         exit_now(result.exit_code)
     return result.exit_code
+
+
+def _check_before_start(data: dict[str, Any], options: Any) -> None:
+    """What can be refused without torch (validating a recipe resolves its ``_target_``s, which loads it), refused
+    before: missing data paths, and a ``distributed`` section that does not fit the launch (``--nproc-per-node 2`` on
+    a ``single`` recipe). Sections that do not validate are left to the recipe's own validation, which names them."""
+    from pydantic import ValidationError
+
+    from remat.data.config import DatasetConfig
+    from remat.data.sources import check_paths_exist
+    from remat.distributed.layout import validate_settings
+
+    for key in ("dataset", "validation_dataset"):
+        try:
+            section = DatasetConfig.model_validate(data[key]) if isinstance(data.get(key), dict) else None
+        except ValidationError:
+            continue
+        if section is not None:
+            check_paths_exist(section, key)
+    world_size = options.num_processes()
+    dist = data.get("distributed", {})
+    if isinstance(dist, dict) and dist.get("device") == "cpu" and dist.get("memory_budget") is None:
+        from remat.planner.budget import parse_budget
+        from remat.recipes.loader import asks_for_auto
+
+        if asks_for_auto(data):  # planning for the CPU needs a budget: said now, not after measuring the blocks
+            parse_budget(None, device_bytes=None, key="distributed.memory_budget")
+    if options.requested and world_size is not None and "LOCAL_RANK" not in os.environ and isinstance(dist, dict):
+        sizes = {name: dist[name] for name in ("strategy", "dp_size", "tp_size", "cp_size") if name in dist}
+        validate_settings(**sizes, world_size=world_size)
 
 
 def restarts_for_replanning(options: Any, cfg: Any, planned: bool) -> Any:

@@ -125,9 +125,26 @@ def _jsonl_files_in(directory: Path, key: str) -> list[Path]:
     return files
 
 
+_ALLOWED_PATHS = f"a {_JSONL_SUFFIX} file, a directory of them, or a datasets.save_to_disk directory"
+
+
+def check_paths_exist(cfg: DatasetConfig, key_prefix: str = "dataset") -> None:
+    """ConfigError naming the key when a path of the section does not exist (light: the command line checks it
+    before torch loads; reading the rows checks it again)."""
+    for raw, key in zip(cfg.paths or [], _path_keys(cfg, key_prefix), strict=False):
+        if not Path(raw).expanduser().exists():
+            raise ConfigError(f"{key}: {raw!r} does not exist; expected {_ALLOWED_PATHS}")
+
+
+def _path_keys(cfg: DatasetConfig, key_prefix: str) -> list[str]:
+    if isinstance(cfg.path, str):
+        return [f"{key_prefix}.path"]
+    return [f"{key_prefix}.path[{i}]" for i in range(len(cfg.paths or []))]
+
+
 def _rows_of_path(raw: str, cfg: DatasetConfig, split: str, key_prefix: str, key: str) -> Iterator[RawRow]:
     path = Path(raw).expanduser()
-    allowed = f"a {_JSONL_SUFFIX} file, a directory of them, or a datasets.save_to_disk directory"
+    allowed = _ALLOWED_PATHS
     if not path.exists():
         raise ConfigError(f"{key}: {raw!r} does not exist; expected {allowed}")
     if _is_hf_dataset_dir(path):
@@ -158,11 +175,7 @@ def iter_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: s
             for index, text in enumerate(documents)
         )
     else:
-        keys = (
-            [f"{key_prefix}.path"]
-            if isinstance(cfg.path, str)
-            else [f"{key_prefix}.path[{i}]" for i in range(len(paths))]
-        )
+        keys = _path_keys(cfg, key_prefix)
         rows = itertools.chain.from_iterable(
             _rows_of_path(raw, cfg, split, key_prefix, key) for raw, key in zip(paths, keys, strict=True)
         )

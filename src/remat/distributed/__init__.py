@@ -16,7 +16,7 @@ _EXPORTS: dict[str, str] = {
     "MIXED_PRECISION": "remat.distributed.choices",
     "STRATEGIES": "remat.distributed.choices",
     "DistributedSetup": "remat.distributed.setup",
-    "validate_settings": "remat.distributed.setup",
+    "validate_settings": "remat.distributed.layout",
 }
 
 __all__ = ["MIXED_PRECISION", "STRATEGIES", "DistributedSetup", "ProcessEnv", "clip_grad_norm", "clip_grad_norm_tensor",
@@ -29,4 +29,5 @@ if TYPE_CHECKING:
     from remat.distributed.env import ProcessEnv, under_torchrun
     from remat.distributed.grad_norm import clip_grad_norm, clip_grad_norm_tensor, total_grad_norm
     from remat.distributed.choices import MIXED_PRECISION, STRATEGIES
-    from remat.distributed.setup import DistributedSetup, validate_settings
+    from remat.distributed.layout import validate_settings
+    from remat.distributed.setup import DistributedSetup

@@ -27,7 +27,8 @@ from torch import nn
 
 from remat.checkpointing import (CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy,
                                  planned_policy, remove_activation_checkpointing)
-from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES, Strategy
+from remat.distributed.choices import Strategy
+from remat.distributed.layout import validate_settings
 from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
 from remat.distributed.rendezvous import (INIT_TIMEOUT_S, WATCHDOG_GRACE_S, check_timeouts, setup_deadline,
                                           setup_failure)
@@ -331,54 +332,6 @@ class DistributedSetup:
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_process_group = False
-
-
-def validate_settings(strategy: str = "single", activation_checkpointing: Any = False, dp_size: int | None = None,
-                      tp_size: int = 1, cp_size: int = 1, mixed_precision: str | None = None,
-                      cpu_offload: bool = False, fsdp_reduce_every_micro_batch: bool = True,
-                      device: str | torch.device | None = "auto", *, world_size: int) -> int:
-    """Check the settings of ``build`` (the recipe's ``distributed`` section) against ``world_size`` processes
-    (ConfigError naming the key); return the data-parallel size. ``build`` calls it, and so does the launcher
-    before any worker starts."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"distributed.strategy: got {strategy!r}; allowed: {', '.join(STRATEGIES)}")
-    parse_policy(activation_checkpointing, key="distributed.activation_checkpointing")
-    for name, value in (("dp_size", dp_size), ("tp_size", tp_size), ("cp_size", cp_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"distributed.{name}: got {value!r}; allowed: a positive integer")
-    for name, flag in (("cpu_offload", cpu_offload), ("fsdp_reduce_every_micro_batch", fsdp_reduce_every_micro_batch)):
-        if not isinstance(flag, bool):
-            raise ConfigError(f"distributed.{name}: got {flag!r}; allowed: true or false")
-    if not (device is None or isinstance(device, torch.device) or device in DEVICE_CHOICES
-            or (isinstance(device, str) and device.startswith(("cuda:", "cpu:")))):
-        raise ConfigError(f"distributed.device: got {device!r}; allowed: {', '.join(DEVICE_CHOICES)}")
-    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
-        raise ConfigError(f"distributed.mixed_precision: got {mixed_precision!r}; allowed: null, "
-                          f"{', '.join(MIXED_PRECISION)}")
-    if strategy == "single":
-        if world_size != 1:
-            raise ConfigError(
-                f"distributed.strategy: 'single' runs one process, but the launch has {world_size} (WORLD_SIZE="
-                f"{world_size}); allowed for several processes: 'ddp' or 'fsdp2'")
-        for name, value in (("dp_size", dp_size or 1), ("tp_size", tp_size), ("cp_size", cp_size)):
-            if value != 1:
-                raise ConfigError(f"distributed.{name}: {value} needs several processes; strategy 'single' runs one")
-    if strategy != "fsdp2":
-        for name, value, allowed in (("mixed_precision", mixed_precision, "null (use model.autocast)"),
-                                     ("cpu_offload", cpu_offload, "false"), ("tp_size", tp_size, "1")):
-            if value not in (None, False, 1):
-                raise ConfigError(f"distributed.{name}: {value!r} needs strategy 'fsdp2' (got {strategy!r}); "
-                                  f"allowed with {strategy!r}: {allowed}")
-    if cp_size != 1:
-        raise ConfigError(f"distributed.cp_size: got {cp_size}; context parallelism is not supported by remat yet "
-                          "(allowed: 1)")
-    dp = dp_size if dp_size is not None else max(world_size // (tp_size * cp_size), 1)
-    if dp * tp_size * cp_size != world_size:
-        raise ConfigError(
-            f"distributed.dp_size x tp_size x cp_size = {dp} x {tp_size} x {cp_size} = {dp * tp_size * cp_size}, "
-            f"but the launch has {world_size} process{'es' if world_size != 1 else ''} (WORLD_SIZE); allowed: "
-            "sizes whose product is the number of processes (leave dp_size out to derive it)")
-    return dp
 
 
 def _device_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:

@@ -8,37 +8,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from remat.errors import ConfigError
+from remat.units import UNITS, parse_capacity  # noqa: F401 (re-exported: the estimate's --fits)
 from remat.estimate.replay import ESTIMATE_CATEGORIES
 
 if TYPE_CHECKING:
     from remat.estimate.api import MemoryEstimate
 
 GIB: Final[int] = 2**30
-UNITS: Final[dict[str, int]] = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-}
-"""Size units as written in ``--fits`` (matched case-insensitively): KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB
-and the bare K/M/G/T (as Slurm's ``--mem=80G`` and nvidia-smi write them) are powers of 1024."""
-_UNIT_BY_LOWER: Final[dict[str, int]] = {name.lower(): size for name, size in UNITS.items()}
-_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*$")
 _COLORS: Final[dict[str, str]] = {
     "parameters": "#4C72B0", "buffers": "#8172B2", "gradients": "#DD8452", "optimizer_state": "#55A868",
     "activations": "#C44E52", "temporaries": "#937860", "gradient_buckets": "#DA8BC3",
 }
-
-
-def parse_capacity(text: str, *, key: str = "--fits") -> int:
-    """Bytes in a size such as ``"80GiB"``, ``"80G"``, ``"80 GB"`` or ``"24576MiB"`` (a unit is required; see `UNITS`:
-    G and GiB are 2^30 bytes, GB is 10^9)."""
-    match = _CAPACITY.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNIT_BY_LOWER:
-        raise ConfigError(f"{key}: got {text!r}; allowed: a number with a unit, one of {', '.join(UNITS)} "
-                          "(case-insensitive; K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000; "
-                          "e.g. 80GiB or 80G)")
-    return int(float(match.group(1)) * _UNIT_BY_LOWER[unit])
 
 
 def gib(nbytes: int) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from remat.errors import ConfigError
-from remat.estimate.report import parse_capacity
+from remat.units import parse_capacity
 
 DEFAULT_MARGIN: Final[float] = 0.10
 """The share of a GPU's memory left out of the default budget (see the module docstring)."""

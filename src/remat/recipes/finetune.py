@@ -31,7 +31,7 @@ from remat._files import disk_full_error, is_disk_full
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
 from remat.data.fingerprint import dataset_fingerprint
 from remat.data.loader import collate
-from remat.distributed import ProcessEnv, validate_settings
+from remat.distributed import ProcessEnv
 from remat.errors import ConfigError, RematError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
@@ -41,6 +41,7 @@ from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save, unusual_settings
 from remat.recipes.output_paths import OutputPaths
+from remat.recipes.parallel_layout import check_parallel_layout
 from remat.recipes.resume_changes import plan_resume
 from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
 from remat.recipes.run_report import write_run_report
@@ -429,27 +430,6 @@ def _checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 def checkpoint_directory(cfg: RecipeConfig) -> Path:
     """Where the recipe's checkpoints go: ``checkpoint.checkpoint_dir``, by default ``output_dir/checkpoints``."""
     return Path(cfg.checkpoint.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
-
-
-def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:
-    """(data-parallel size, gradient-accumulation steps) of the recipe on ``world_size`` processes; ConfigError naming
-    the key when the ``distributed`` section, the batch sizes or peft do not fit them."""
-    d = cfg.distributed
-    dp_size = validate_settings(d.strategy, d.activation_checkpointing, d.dp_size, d.tp_size, d.cp_size,
-                                d.mixed_precision, d.cpu_offload, d.fsdp_reduce_every_micro_batch,
-                                world_size=world_size)
-    if cfg.peft is not None and cfg.distributed.strategy == "fsdp2":
-        raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
-                          "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
-    sched = cfg.step_scheduler
-    per_step = sched.local_batch_size * dp_size
-    if sched.global_batch_size % per_step:
-        raise ConfigError(
-            f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-            f"({sched.local_batch_size}) x dp_size ({dp_size}, of {world_size} processes) x an integer number of "
-            f"accumulation steps; allowed: a multiple of {per_step}"
-        )
-    return dp_size, sched.global_batch_size // per_step
 
 
 def sharded_eval_batches(

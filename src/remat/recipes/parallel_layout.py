@@ -1,0 +1,29 @@
+"""A recipe against the number of processes it runs on (strategy, parallel sizes, batch sizes, peft), without torch:
+the launcher checks it before any worker starts, each worker again before it builds anything."""
+
+from __future__ import annotations
+
+from remat.distributed.layout import validate_settings
+from remat.errors import ConfigError
+from remat.recipes.config import RecipeConfig
+
+
+def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:
+    """(data-parallel size, gradient-accumulation steps) of the recipe on ``world_size`` processes; ConfigError naming
+    the key when the ``distributed`` section, the batch sizes or peft do not fit them."""
+    d = cfg.distributed
+    dp_size = validate_settings(d.strategy, d.activation_checkpointing, d.dp_size, d.tp_size, d.cp_size,
+                                d.mixed_precision, d.cpu_offload, d.fsdp_reduce_every_micro_batch,
+                                world_size=world_size)
+    if cfg.peft is not None and cfg.distributed.strategy == "fsdp2":
+        raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
+                          "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
+    sched = cfg.step_scheduler
+    per_step = sched.local_batch_size * dp_size
+    if sched.global_batch_size % per_step:
+        raise ConfigError(
+            f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
+            f"({sched.local_batch_size}) x dp_size ({dp_size}, of {world_size} processes) x an integer number of "
+            f"accumulation steps; allowed: a multiple of {per_step}"
+        )
+    return dp_size, sched.global_batch_size // per_step
