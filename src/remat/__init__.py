@@ -12,6 +12,8 @@ The public API, re-exported here (nothing inside the package imports from this m
 - ``DistributedSetup``: how the model is spread over processes, and the order savers are applied in.
 - ``AutoModelForCausalLM.from_pretrained(path_or_hub_id_or_preset, distributed_setup=...)`` / ``.from_config``:
   build a model and apply the setup's checkpointing and parallelism in one call (the plan in ``model.remat_plan``).
+- ``prepare_trainer(trainer, policy=..., loss="fused")`` (``remat.integrations``): the same in a Hugging Face
+  ``Trainer`` or TRL trainer, in one call before ``trainer.train()``.
 - ``build_model`` / ``ModelConfig`` (``remat.models``), ``FinetuneRecipe`` / ``load_recipe`` (``remat.recipes``).
 """
 
@@ -43,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "build_model": "remat.models",
     "FinetuneRecipe": "remat.recipes.finetune",
     "load_recipe": "remat.recipes.loader",
+    "prepare_trainer": "remat.integrations",
 }
 
 __version__ = "0.1.0"
@@ -70,6 +73,7 @@ __all__ = [
     "loss",
     "parse_policy",
     "plan_activation_checkpointing",
+    "prepare_trainer",
 ]
 
 
@@ -94,6 +98,7 @@ if TYPE_CHECKING:
     from remat.distributed import DistributedSetup
     from remat.errors import CheckpointingError, ConfigError, RematError
     from remat.estimate import MemoryEstimate, estimate_memory
+    from remat.integrations import prepare_trainer
     from remat.memory import LiveTensorTracker, MemoryReading, StepMemoryMeter
     from remat.models import ModelConfig, build_model
     from remat.planner import ActivationPlan, plan_activation_checkpointing

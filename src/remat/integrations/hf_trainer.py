@@ -1,0 +1,236 @@
+"""`prepare_trainer`: remat in a Hugging Face ``Trainer`` (or a subclass such as TRL's ``SFTTrainer``) in one call.
+
+Called after the Trainer is built and before ``trainer.train()``, it applies a checkpointing policy (or the plan
+`remat.plan_activation_checkpointing` makes for the Trainer's own step under ``policy="auto"``) to the Trainer's
+model, switches the Trainer's own activation checkpointing off if it was on (never both), optionally trains with
+remat's fused linear cross-entropy, and adds the step's peak memory to the Trainer's logs. Only public extension
+points are used: the Trainer's ``model`` and ``args`` attributes and a ``TrainerCallback``; the fused loss replaces
+the *model's* forward on its instance (remat's own wrapping mechanism, as for checkpointing), so the Trainer's loss
+path, its ``num_items_in_batch`` normalisation over accumulation and ranks included, is the Trainer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing
+from remat.checkpointing.hf_native import disable_hf_checkpointing, is_hf_checkpointing
+from remat.errors import ConfigError
+from remat.loss import FusedLinearCrossEntropy, output_head, verify_output_head
+from remat.memory import StepMemoryMeter
+from remat.planner import ActivationPlan, plan_activation_checkpointing
+
+logger = logging.getLogger(__name__)
+
+LOSSES: tuple[str, ...] = ("keep", "fused")
+#: The Trainer's ``optim`` values the estimate models: AdamW in torch's implementations (its keyword arguments).
+OPTIMIZERS: dict[str, dict[str, Any]] = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
+#: The log key of the step's peak memory (GiB), as the `| mem X GiB |` of remat's own step line.
+MEMORY_LOG_KEY = "peak_mem_gib"
+
+
+def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: Any = None, loss: str = "keep",
+                    seq_length: int | None = None, target: str | None = None,
+                    log_memory: bool = True) -> CheckpointPlan | ActivationPlan:
+    """Apply remat to ``trainer`` (a ``transformers.Trainer`` or subclass) before ``trainer.train()``; returns the plan
+    (``print(plan.table())``).
+
+    ``policy``: any policy `remat.apply_activation_checkpointing` takes (``"selective"``, ``"full"``,
+    ``{"mode": "full", "every_n_layers": 2}``...) or ``"auto"``: the plan with the least recompute whose predicted
+    peak fits ``memory_budget`` for the step this Trainer runs (micro-batch ``per_device_train_batch_size``,
+    ``seq_length``, ``bf16``/``fp16`` autocast, ``gradient_accumulation_steps``, the loss; a budget is required on
+    the CPU). ``loss="fused"`` trains with `remat.loss.FusedLinearCrossEntropy` (the logits are never materialised;
+    checked first to reproduce the model's own logits, `remat.loss.verify_output_head`); ``"keep"`` leaves the
+    model's loss. ``log_memory`` adds each step's peak (the CUDA allocator's, or the tracker's on the CPU) to the
+    Trainer's logs as ``peak_mem_gib``. A second call on the same Trainer is refused.
+    """
+    model = _trainer_model(trainer)
+    if loss not in LOSSES:
+        raise ConfigError(f"loss: got {loss!r}; allowed: {', '.join(LOSSES)}")
+    if any(isinstance(c, RematCallback) for c in trainer.callback_handler.callbacks):
+        raise ConfigError("prepare_trainer: this Trainer is already prepared; call it once per Trainer (its model "
+                          "is checkpointed already)")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError("prepare_trainer: DeepSpeed is not supported yet (its ZeRO stages own the parameters remat "
+                          "would plan for); allowed: no DeepSpeed, DDP, or FSDP through accelerate")
+    _hf_checkpointing_off(trainer, model)
+    base = _base_model(model)
+    if loss == "fused":
+        use_fused_loss(base)
+    if isinstance(policy, str) and policy.strip().lower() == "auto":
+        plan: CheckpointPlan | ActivationPlan = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss,
+                                                          seq_length=seq_length, target=target)
+        apply_activation_checkpointing(model, plan)
+    else:
+        if memory_budget is not None:
+            raise ConfigError(f"memory_budget: given with policy {policy!r}; a budget is planned for with "
+                              "policy='auto' only")
+        plan = apply_activation_checkpointing(model, policy)
+    callback = RematCallback(plan, log_memory=log_memory)
+    trainer.add_callback(callback)
+    if log_memory:
+        _log_with_memory(trainer, callback)
+    return plan
+
+
+def _log_with_memory(trainer: Any, callback: RematCallback) -> None:
+    """``trainer.log`` with the step's peak added to the logs it is given.
+
+    # NOTE [ Why ``log`` and not ``on_log`` ]
+    # ``Trainer.log`` appends the logs to ``state.log_history`` before it calls the callbacks' ``on_log``, and the
+    # reporting integrations (wandb, TensorBoard) are callbacks that run before one added later: a value added in
+    # ``on_log`` would reach neither. ``log`` is the method the Trainer's documentation says to override to inject
+    # custom behaviour; it is overridden here on this instance (as a subclass would), adding one key and calling the
+    # Trainer's own.
+    """
+    original = trainer.log
+
+    def log(self: Any, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if callback.peak_gib is not None and "loss" in logs:
+            logs[MEMORY_LOG_KEY] = round(callback.peak_gib, 4)
+        original(logs, *args, **kwargs)
+
+    trainer.log = types.MethodType(log, trainer)
+
+
+def use_fused_loss(model: nn.Module) -> None:
+    """Make ``model`` (a transformers causal LM) compute its training loss with `FusedLinearCrossEntropy` from its
+    decoder's last hidden states, never the logits: its forward is replaced on the instance. With ``labels`` in
+    training it returns the loss (and no logits) with Hugging Face's semantics: labels shifted by one, -100
+    ignored, the sum divided by ``num_items_in_batch`` when given (the Trainer's normalisation over accumulation and
+    ranks) or by the label tokens; otherwise it runs the model's own forward."""
+    verify_output_head(model)
+    if "forward" in model.__dict__:
+        raise ConfigError(f"loss: the forward of {type(model).__name__} is already replaced on the instance; allowed: "
+                          "loss='fused' once, on a model whose forward is its class's")
+    head = output_head(model)
+    loss_fn = FusedLinearCrossEntropy(logit_softcap=head.logit_softcap)
+    decoder = model.get_decoder()
+    original = model.forward
+
+    def forward(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        extra = {k: v for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
+        if labels is None or not self.training or extra:
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state
+        head = output_head(self)  # read here: under FSDP the whole weight is gathered by now
+        if head.hidden_scale != 1.0:
+            hidden = hidden * head.hidden_scale
+        value = loss_fn(hidden, head.weight, labels, bias=head.bias, num_label_tokens=num_items_in_batch)
+        return CausalLMOutputWithPast(loss=value, logits=None)
+
+    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+
+
+class RematCallback(TrainerCallback):
+    """Measures each step's peak memory (read by the Trainer's ``log``: `_log_with_memory`) and says the plan once at
+    the start."""
+
+    def __init__(self, plan: CheckpointPlan | ActivationPlan, *, log_memory: bool = True) -> None:
+        self.plan = plan
+        self.log_memory = log_memory
+        self.meter: StepMemoryMeter | None = None
+        self._step = contextlib.ExitStack()
+        self.peak_gib: float | None = None
+        """The last step's peak memory in GiB (None before the first step ends)."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            logger.info("remat: %s", self.plan.summary())
+        if self.log_memory:
+            self.meter = StepMemoryMeter()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                      **kwargs: Any) -> None:
+        if self.meter is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+            self._step.enter_context(self.meter.step(model=model, optimizer=inner))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.meter is not None:
+            self._step.close()
+            self.peak_gib = self.meter.last.peak_bytes / 2**30
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step.close()
+
+
+def _trainer_model(trainer: Any) -> nn.Module:
+    model = getattr(trainer, "model", None)
+    if not isinstance(model, nn.Module) or not hasattr(trainer, "args") or not hasattr(trainer, "add_callback"):
+        raise ConfigError(f"trainer: expected a transformers Trainer (or a subclass such as trl.SFTTrainer) with its "
+                          f"model; got {type(trainer).__name__}")
+    return model
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)  # peft: the transformers model under the adapters
+    return get_base() if callable(get_base) else model
+
+
+def _hf_checkpointing_off(trainer: Any, model: nn.Module) -> None:
+    """The Trainer's own activation checkpointing off, said in one line: remat checkpoints the blocks instead."""
+    args = trainer.args
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        with warnings.catch_warnings():  # gradient_checkpointing is a deprecated alias where both exist
+            warnings.simplefilter("ignore", FutureWarning)
+            on = name in vars(args) and getattr(args, name)
+            if on:
+                setattr(args, name, False)
+        if on:
+            logger.info("prepare_trainer: TrainingArguments.%s switched off: remat checkpoints the blocks instead "
+                        "(never both)", name)
+    base = _base_model(model)
+    if is_hf_checkpointing(base):
+        disable_hf_checkpointing(base)
+        logger.info("prepare_trainer: the model's own activation checkpointing switched off: remat checkpoints the "
+                    "blocks instead (never both)")
+
+
+def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, seq_length: int | None,
+              target: str | None) -> ActivationPlan:
+    """`plan_activation_checkpointing` for the step the Trainer runs, its arguments read from ``trainer.args``."""
+    args = trainer.args
+    optim = str(getattr(args.optim, "value", args.optim))
+    optimizer = OPTIMIZERS.get(optim)
+    if optimizer is None:
+        raise ConfigError(f"prepare_trainer: TrainingArguments.optim {optim!r} is not one the estimate models; "
+                          f"allowed with policy='auto': {', '.join(OPTIMIZERS)} (or a fixed policy)")
+    if seq_length is None:
+        seq_length = _dataset_length(trainer)
+    autocast = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else None
+    return plan_activation_checkpointing(
+        model, memory_budget=memory_budget, target=target, batch_size=args.per_device_train_batch_size,
+        seq_length=seq_length, autocast=autocast, grad_accumulation=args.gradient_accumulation_steps,
+        loss="fused" if loss == "fused" else "plain", optimizer="torch.optim.AdamW",
+        optimizer_kwargs={"lr": args.learning_rate, "weight_decay": args.weight_decay, **optimizer},
+        clip_grad_norm=args.max_grad_norm or None)
+
+
+def _dataset_length(trainer: Any) -> int:
+    """The token length of the Trainer's rows when its train dataset's first row gives one; else a ConfigError
+    asking for ``seq_length=``."""
+    dataset = getattr(trainer, "train_dataset", None)
+    try:
+        length = len(dataset[0]["input_ids"])  # type: ignore[index]
+    except Exception:  # noqa: BLE001 (any dataset without indexable token rows)
+        length = None
+    if not length:
+        raise ConfigError("seq_length: needed for policy='auto' (the planner plans for one row length), and the "
+                          "Trainer's train_dataset gives none; allowed: prepare_trainer(..., seq_length=2048)")
+    logger.info("prepare_trainer: planning for rows of %d tokens (the train dataset's first row; pass seq_length= to "
+                "plan for another length)", length)
+    return int(length)

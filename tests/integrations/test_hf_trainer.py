@@ -1,0 +1,136 @@
+"""`remat.prepare_trainer` in a real ``transformers.Trainer`` on the CPU: per-step losses and gradient norms equal
+those of the same Trainer without remat (bit-equal for a fixed policy, within 1e-5 for the fused loss), the Trainer's
+own checkpointing switched off, the peak in the logs, a second call refused, ``auto`` within its budget."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import remat
+from remat.checkpointing import is_checkpointed
+from remat.errors import ConfigError
+
+ROWS, LENGTH, VOCAB = 16, 32, 256
+
+
+def _dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(ROWS):
+        ids = torch.randint(0, VOCAB, (LENGTH,), generator=generator)
+        labels = ids.clone()
+        labels[:4] = -100  # a prompt that carries no loss
+        rows.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones(LENGTH, dtype=torch.long)})
+    return rows
+
+
+def _trainer(tmp_path: Path, lora: bool = False, **arguments: Any) -> Trainer:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=LENGTH)
+    model: Any = LlamaForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
+                             **arguments)
+    return Trainer(model=model, args=args, train_dataset=_dataset())
+
+
+def _logged(trainer: Trainer) -> list[dict[str, Any]]:
+    return [row for row in trainer.state.log_history if "loss" in row]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    trainer = _trainer(tmp_path_factory.mktemp("plain"))
+    trainer.train()
+    return _logged(trainer)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", {"mode": "full", "every_n_layers": 2}])
+def test_a_fixed_policy_gives_the_trainers_own_losses_bit_for_bit(policy: Any, reference: list[dict[str, Any]],
+                                                                  tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    plan = remat.prepare_trainer(trainer, policy)
+    assert plan.wrapped_modules and is_checkpointed(trainer.model)
+    trainer.train()
+    rows = _logged(trainer)
+    assert [r["loss"] for r in rows] == [r["loss"] for r in reference]
+    assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in reference]
+    assert all(r["peak_mem_gib"] > 0 for r in rows)  # the tracker's peak, in the Trainer's own logs
+
+
+def test_lora_with_a_policy_and_the_fused_loss_matches_the_same_lora_trainer(tmp_path: Path) -> None:
+    plain = _trainer(tmp_path / "plain", lora=True)
+    plain.train()
+    trainer = _trainer(tmp_path / "remat", lora=True)
+    remat.prepare_trainer(trainer, "selective", loss="fused")
+    trainer.train()
+    for mine, theirs in zip(_logged(trainer), _logged(plain), strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_the_fused_loss_matches_the_trainers_loss(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    remat.prepare_trainer(trainer, "selective", loss="fused")
+    trainer.train()
+    rows = _logged(trainer)
+    for mine, theirs in zip(rows, reference, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_the_trainers_own_checkpointing_is_switched_off_and_a_second_call_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    trainer = _trainer(tmp_path, gradient_checkpointing=True)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        remat.prepare_trainer(trainer, "full")
+    assert trainer.args.gradient_checkpointing is False
+    assert any("TrainingArguments.gradient_checkpointing switched off" in r.message for r in caplog.records)
+    on_the_model = _trainer(tmp_path / "m")
+    on_the_model.model.gradient_checkpointing_enable()
+    with caplog.at_level(logging.INFO, logger="remat"):
+        remat.prepare_trainer(on_the_model, "full")  # transformers' wrapping is taken off first: never both
+    assert any("the model's own activation checkpointing switched off" in r.message for r in caplog.records)
+    with pytest.raises(ConfigError, match="prepare_trainer: this Trainer is already prepared"):
+        remat.prepare_trainer(trainer, "full")
+    with pytest.raises(ConfigError, match="loss: got 'liger'; allowed: keep, fused"):
+        remat.prepare_trainer(_trainer(tmp_path / "b"), "full", loss="liger")
+
+
+def test_auto_plans_the_trainers_step_within_its_budget(tmp_path: Path) -> None:
+    """The plan is for this Trainer's step: micro-batch 2, rows of 32 tokens (read from its dataset), AdamW."""
+    probe = _trainer(tmp_path / "probe")
+    peaks = {policy: remat.estimate_memory(probe.model.config, batch_size=2, seq_length=LENGTH, target="cpu",
+                                           policy=policy, grad_accumulation=2).peak_bytes
+             for policy in ("none", "full")}
+    assert peaks["full"] < peaks["none"]
+    budget = (peaks["full"] + peaks["none"]) // 2
+    trainer = _trainer(tmp_path)
+    plan = remat.prepare_trainer(trainer, "auto", memory_budget=budget, target="cpu")
+    assert plan.peak_bytes <= budget and plan.recompute_flops > 0
+    trainer.train()
+    assert all(r["peak_mem_gib"] * 2**30 <= budget * 1.0001 for r in _logged(trainer))
+    with pytest.raises(ConfigError, match="memory_budget: required here"):
+        remat.prepare_trainer(_trainer(tmp_path / "c"), "auto", target="cpu")
+
+
+def test_the_example_in_docs_trainers_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "trainers.md").read_text()
+    (block,) = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/trainers.md", "exec"), {"__name__": "__docs__"})  # noqa: S102 (our own docs)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert float(printed[-1]) > 0 and any("selective" in line for line in printed)
