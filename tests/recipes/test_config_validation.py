@@ -3,6 +3,7 @@ allowed."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +245,18 @@ def test_good_optimizer_hyperparameters_pass() -> None:
 def test_a_seed_outside_what_the_generators_take_is_one_line(seed: int) -> None:
     with pytest.raises(ConfigError, match=r"seed: Input should be"):
         validate_recipe(with_("seed", seed))
+
+
+def test_a_tile_as_long_as_the_row_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """The long-context example shortened to 1,024 tokens keeps tile_tokens 2048: one tile, nothing tiled."""
+    from remat.recipes.loader import load_recipe
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "long_context.yaml"
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        load_recipe(example, ["--dataset.seq_length", "1024"])
+    assert any("tile_tokens: 2048 is not less than dataset.seq_length 1024, so a row is one tile and nothing is "
+               "tiled" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        load_recipe(example)
+    assert not any("tile_tokens" in r.message for r in caplog.records)

@@ -308,6 +308,12 @@ def _with_model_outputs(cfg: RecipeConfig) -> RecipeConfig:
 
 
 def _check_cross_section(cfg: RecipeConfig) -> None:
+    policy = cfg.distributed.activation_checkpointing
+    tile = getattr(policy, "tile_tokens", None)
+    if getattr(policy, "tiled", False) and tile is not None and tile >= cfg.dataset.seq_length:
+        logger.warning("distributed.activation_checkpointing.tile_tokens: %d is not less than dataset.seq_length %d, "
+                       "so a row is one tile and nothing is tiled; to tile it, lower tile_tokens (e.g. %d)", tile,
+                       cfg.dataset.seq_length, max(1, cfg.dataset.seq_length // 4))
     if cfg.distributed.strategy == "single" and cfg.distributed.dp_size not in (None, 1):
         raise ConfigError(
             f"distributed.dp_size: {cfg.distributed.dp_size} needs strategy 'ddp' or 'fsdp2' "
