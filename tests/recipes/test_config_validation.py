@@ -194,11 +194,16 @@ def test_validation_keys_need_a_validation_dataset() -> None:
     assert validate_recipe(ok).step_scheduler.val_every_steps == 5
 
 
-def test_warmup_longer_than_the_run_is_said(caplog: pytest.LogCaptureFixture) -> None:
+def test_warmup_longer_than_the_run_is_said_once(caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.recipes import loader
+
+    monkeypatch.setattr(loader, "_said", set())
     recipe = with_("lr_scheduler.warmup_steps", 10)
     with caplog.at_level("WARNING", logger="remat.recipes.loader"):
         validate_recipe(recipe)
-    assert "lr_scheduler.warmup_steps (10) is more than step_scheduler.max_steps (3)" in caplog.text
+        validate_recipe(recipe)  # an auto run validates its recipe several times: the advice comes once
+    assert caplog.text.count("lr_scheduler.warmup_steps (10) is more than step_scheduler.max_steps (3)") == 1
 
 
 @pytest.mark.parametrize(("loss", "stated"), [("MaskedCrossEntropy", None), ("MaskedCrossEntropy", False),
@@ -251,6 +256,9 @@ def test_a_tile_as_long_as_the_row_is_said(caplog: pytest.LogCaptureFixture) -> 
     """The long-context example shortened to 1,024 tokens keeps tile_tokens 2048: one tile, nothing tiled."""
     from remat.recipes.loader import load_recipe
 
+    from remat.recipes import loader
+
+    loader._said.clear()
     example = Path(__file__).resolve().parents[2] / "examples" / "long_context.yaml"
     with caplog.at_level(logging.WARNING, logger="remat"):
         load_recipe(example, ["--dataset.seq_length", "1024"])

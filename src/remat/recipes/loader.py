@@ -307,11 +307,23 @@ def _with_model_outputs(cfg: RecipeConfig) -> RecipeConfig:
     return cfg.model_copy(update={"model": model})
 
 
+_said: set[str] = set()
+
+
+def _warn_once(message: str, *args: Any) -> None:
+    """A warning about the recipe, said once per process: an ``auto`` run validates its recipe several times (the
+    planner's probe, the planned recipe), and the same advice three times is noise."""
+    text = message % args
+    if text not in _said:
+        _said.add(text)
+        logger.warning(text)
+
+
 def _check_cross_section(cfg: RecipeConfig) -> None:
     policy = cfg.distributed.activation_checkpointing
     tile = getattr(policy, "tile_tokens", None)
     if getattr(policy, "tiled", False) and tile is not None and tile >= cfg.dataset.seq_length:
-        logger.warning("distributed.activation_checkpointing.tile_tokens: %d is not less than dataset.seq_length %d, "
+        _warn_once("distributed.activation_checkpointing.tile_tokens: %d is not less than dataset.seq_length %d, "
                        "so a row is one tile and nothing is tiled; to tile it, lower tile_tokens (e.g. %d)", tile,
                        cfg.dataset.seq_length, max(1, cfg.dataset.seq_length // 4))
     if cfg.distributed.strategy == "single" and cfg.distributed.dp_size not in (None, 1):
@@ -324,7 +336,7 @@ def _check_cross_section(cfg: RecipeConfig) -> None:
 def _check_schedule(cfg: RecipeConfig) -> None:
     sched, warmup = cfg.step_scheduler, cfg.lr_scheduler.warmup_steps
     if warmup > sched.max_steps:  # a warning, not an error: short trial runs of a long recipe are common
-        logger.warning("lr_scheduler.warmup_steps (%d) is more than step_scheduler.max_steps (%d): the learning rate "
+        _warn_once("lr_scheduler.warmup_steps (%d) is more than step_scheduler.max_steps (%d): the learning rate "
                        "never reaches optimizer.lr in this run", warmup, sched.max_steps)
     if cfg.validation_dataset is None:
         for key in ("val_every_steps", "val_batches"):
