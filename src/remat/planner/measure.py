@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import time
 import warnings
 from collections.abc import Iterator, MutableMapping
@@ -31,7 +30,7 @@ from remat.checkpointing.apply import remove_activation_checkpointing
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
 from remat.estimate.attention import CudaAttention
-from remat.estimate.fake_model import build_fake_model
+from remat.estimate.fake_model import build_fake_model, quiet_log
 from remat.estimate.simulate import SimulatedRun, make_batch, simulation_mode
 from remat.memory import LiveTensorTracker
 from remat.recipes.config import RecipeConfig
@@ -109,13 +108,8 @@ def measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurements
 def quiet_checkpointing_log() -> Iterator[None]:
     """`apply_activation_checkpointing` logs each plan it applies at INFO; the planner applies many while it
     measures and prices, and says itself what it chose."""
-    log = logging.getLogger("remat.checkpointing.apply")
-    level = log.level
-    log.setLevel(max(level, logging.WARNING))
-    try:
+    with quiet_log("remat.checkpointing.apply"):
         yield
-    finally:
-        log.setLevel(level)
 
 
 def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurements:
