@@ -68,6 +68,7 @@ def test_quickstart_runs_from_the_command_line(tmp_path: Path) -> None:
                      r"tps \d+ \| num_label_tokens \d+$", proc.stdout, re.M), proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "step_2" / "model" / "config.json").is_file()
     assert proc.stdout.count("activation checkpointing: full") == 1  # the plan table, printed once
+    assert proc.stdout.count(f"recipe: {ROOT / 'examples' / 'quickstart.yaml'}") == 1  # the file the run uses
 
 
 def test_readme_quick_start_is_two_commands_and_ci_runs_the_second() -> None:

@@ -106,7 +106,7 @@ def test_fsdp2_example_runs_on_two_processes(tmp_path: Path, remat_cache: Path) 
         in proc.stderr
     assert sorted(p.name for p in tmp_path.glob("imported-*")) == []
     assert "Setting OMP_NUM_THREADS" not in proc.stderr  # torchrun's banner: the launcher sets its default itself
-    assert proc.stderr.count(f"recipe: {FSDP2_EXAMPLE}") == 1  # said by the launcher, not again by each worker
+    assert proc.stdout.count(f"recipe: {FSDP2_EXAMPLE}") == 1  # said once at the start (rank 0), not by each worker
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if row["kind"] == "train"] == [1, 2, 3]
     latest = find_latest_checkpoint(out / "checkpoints")

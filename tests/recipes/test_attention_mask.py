@@ -66,9 +66,10 @@ def test_a_dropped_right_padding_mask_leaves_loss_and_gradients_unchanged(fused:
     expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
 
     model = _model()
-    seen = _seen_masks(model)
     loss_fn = FusedLinearCrossEntropy() if fused else MaskedCrossEntropy()
-    loss = CausalLMLoss(model, loss_fn, use_hidden_states=fused)(batch)
+    compute = CausalLMLoss(model, loss_fn, use_hidden_states=fused)  # (the fused loss's head probe runs here)
+    seen = _seen_masks(model)
+    loss = compute(batch)
     loss.backward()
     assert seen == [None]  # the model ran without a mask: no [tokens, tokens] mask was built
     torch.testing.assert_close(loss, expected_loss)

@@ -68,10 +68,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.trust_remote_code:  # the workers get it as the override, which the recipe loader accepts
         overrides += ["--model.trust_remote_code", "true"]
     data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
-    if "LOCAL_RANK" not in os.environ:  # said once: by the launcher or the single process, not by every worker
-        from remat.recipes.shipped import find_recipe
-
-        logger.info("recipe: %s", find_recipe(args.recipe))
     _check_before_start(data, options)
     planned = asks_for_auto(data)
     cfg = None if planned else validate_recipe(data)
@@ -117,8 +113,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.commands.host_memory import check_in_worker
 
     check_in_worker(cfg, local_ranks=process.local_world_size, world_size=process.world_size)
+    from remat.recipes.shipped import find_recipe
+
     recipe = FinetuneRecipe(cfg, replanner=_run_time_replanner(cfg, process.world_size)
-                            if planned or os.environ.get(AUTO_PLANNED_ENV) == "1" else None)
+                            if planned or os.environ.get(AUTO_PLANNED_ENV) == "1" else None,
+                            source=find_recipe(args.recipe))
     try:
         result = recipe.run()
         # Every rank leaves together: rank 0 may still be drawing the run's report, and gloo's teardown was seen to

@@ -87,10 +87,12 @@ class FinetuneRecipe:
     """A fine-tuning run built from a validated ``RecipeConfig``."""
 
     def __init__(self, cfg: RecipeConfig, *, callbacks: list[StepCallback] | None = None,
-                 replanner: Replanner | None = None) -> None:
+                 replanner: Replanner | None = None, source: str | Path | None = None) -> None:
         """``replanner`` (given by `remat finetune` for ``activation_checkpointing: auto``) turns on the run-time
         watch: a step over ``distributed.memory_budget`` is re-planned and retried (`remat.recipes.replan`)."""
         self.cfg = cfg
+        self.source = source
+        """The recipe file the run was read from (said at start), when it came from one."""
         self.callbacks: list[StepCallback] = list(callbacks or [])
         self.replanner = replanner
         self._stop_reason: str | None = None
@@ -397,6 +399,8 @@ class FinetuneRecipe:
         total, trainable = count_parameters(self.model), sum(
             p.numel() for p in self.model.parameters() if p.requires_grad)
         cfg = self.cfg
+        if self.source is not None:
+            reporter.info(f"recipe: {self.source}")
         reporter.info(f"model: {type(self.model).__name__}, {total / 1e6:.2f}M parameters "
                       f"({trainable / 1e6:.2f}M trainable), dtype {cfg.model.dtype}"
                       + (f", autocast {cfg.model.autocast}" if cfg.model.autocast else ""))
