@@ -15,6 +15,7 @@ import contextlib
 import logging
 import types
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,9 +110,17 @@ def use_fused_loss(model: nn.Module) -> None:
     ignored, the sum divided by ``num_items_in_batch`` when given (the Trainer's normalisation over accumulation and
     ranks) or by the label tokens; otherwise it runs the model's own forward."""
     verify_output_head(model)
-    if "forward" in model.__dict__:
-        raise ConfigError(f"loss: the forward of {type(model).__name__} is already replaced on the instance; allowed: "
-                          "loss='fused' once, on a model whose forward is its class's")
+    own = model.__dict__.get("forward")
+    if own is not None and getattr(own, "__func__", None) is not type(model).forward:
+        code = getattr(getattr(own, "__func__", own), "__code__", None)  # TRL copies the class's name onto its own
+        where = Path(code.co_filename) if code is not None else None
+        if where is not None and "trl" in where.parts:
+            raise ConfigError(f"loss: TRL's trainer already replaced the forward of {type(model).__name__} with its "
+                              f"own loss computation ({where.parent.name}/{where.name}); allowed with this trainer: "
+                              "loss='keep' (never two losses)")
+        raise ConfigError(f"loss: the forward of {type(model).__name__} is already replaced on the instance (another "
+                          "fused loss, or a second call); allowed: loss='fused' once, on a model whose forward is "
+                          "its class's")
     head = output_head(model)
     loss_fn = FusedLinearCrossEntropy(logit_softcap=head.logit_softcap)
     decoder = model.get_decoder()

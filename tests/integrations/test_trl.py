@@ -1,0 +1,58 @@
+"""`remat.prepare_trainer` in TRL's ``SFTTrainer`` (a Trainer subclass): a fixed policy gives its own per-step
+losses and gradient norms bit for bit; ``loss="fused"`` is refused in one line, since TRL already replaces the model's
+forward with its own loss (never two losses)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import remat
+from remat.errors import ConfigError
+
+trl = pytest.importorskip("trl", reason="TRL is remat's optional extra (remat[trl]); the test extra installs it")
+
+
+def _sft_trainer(tmp_path: Path) -> Any:
+    vocab = {**{f"w{i}": i for i in range(250)}, "[UNK]": 250, "[PAD]": 251, "[EOS]": 252}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
+                                        eos_token="[EOS]")
+    texts = [" ".join(f"w{(i * 7 + j) % 250}" for j in range(30)) for i in range(16)]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    args = trl.SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, max_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+                         seed=0, save_strategy="no", max_length=32, disable_tqdm=True)
+    return trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                          processing_class=tokenizer)
+
+
+def _logged(trainer: Any) -> list[tuple[float, float]]:
+    return [(row["loss"], row["grad_norm"]) for row in trainer.state.log_history if "loss" in row]
+
+
+def test_sft_trainer_with_a_policy_gives_its_own_losses_bit_for_bit(tmp_path: Path) -> None:
+    plain = _sft_trainer(tmp_path / "plain")
+    plain.train()
+    trainer = _sft_trainer(tmp_path / "remat")
+    remat.prepare_trainer(trainer, "selective")
+    trainer.train()
+    assert _logged(trainer) == _logged(plain)
+    assert all(row["peak_mem_gib"] > 0 for row in trainer.state.log_history if "loss" in row)
+
+
+def test_the_fused_loss_is_refused_where_trl_computes_its_own(tmp_path: Path) -> None:
+    trainer = _sft_trainer(tmp_path)
+    if "forward" not in vars(trainer.model):
+        pytest.skip("this TRL leaves the model's forward as it is")
+    with pytest.raises(ConfigError, match="loss: TRL's trainer already replaced the forward of LlamaForCausalLM"):
+        remat.prepare_trainer(trainer, "selective", loss="fused")
