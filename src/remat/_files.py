@@ -18,7 +18,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from remat.errors import ConfigError, MachineFault
 from remat.units import format_bytes
@@ -46,14 +46,13 @@ def check_regular_file(path: str | os.PathLike[str], what: str, *, follow_symlin
     try:
         mode = (path.stat() if follow_symlinks else path.lstat()).st_mode
     except OSError as err:
-        raise ConfigError(f"{what} {_shown(path)}: {_reason(err)}") from None
+        raise ConfigError(f"{what} {shown(path)}: {_reason(err)}") from None
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"{what} {_shown(path)} is {kind_of(mode)}; allowed: a regular file")
+        raise ConfigError(f"{what} {shown(path)} is {kind_of(mode)}; allowed: a regular file")
     return path
 
 
-def open_regular(path: str | os.PathLike[str], what: str, *, mode: str = "rb", encoding: str | None = None,
-                 follow_symlinks: bool = True) -> IO[Any]:
+def open_regular(path: str | os.PathLike[str], what: str, *, follow_symlinks: bool = True) -> IO[bytes]:
     """`path` opened for reading when it is a regular file; ConfigError naming `what` when it is a FIFO, a device
     or a directory (never blocks on one), missing or unreadable."""
     path = Path(path)
@@ -62,15 +61,15 @@ def open_regular(path: str | os.PathLike[str], what: str, *, mode: str = "rb", e
         fd = os.open(path, flags)
     except OSError as err:
         if err.errno == errno.ELOOP and not follow_symlinks:
-            raise ConfigError(f"{what} {_shown(path)} is a symbolic link; allowed: a regular file") from None
-        raise ConfigError(f"{what} {_shown(path)} cannot be read: {_reason(err)}") from None
+            raise ConfigError(f"{what} {shown(path)} is a symbolic link; allowed: a regular file") from None
+        raise ConfigError(f"{what} {shown(path)} cannot be read: {_reason(err)}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{what} {_shown(path)} is {kind_of(info.st_mode)}; allowed: a regular file")
+            raise ConfigError(f"{what} {shown(path)} is {kind_of(info.st_mode)}; allowed: a regular file")
         if _NONBLOCK:
             os.set_blocking(fd, True)
-        return open(fd, mode, encoding=encoding, closefd=True)  # noqa: SIM115 (the caller closes it)
+        return open(fd, "rb", closefd=True)  # noqa: SIM115 (the caller closes it)
     except BaseException:
         os.close(fd)
         raise
@@ -84,10 +83,10 @@ def read_regular_bytes(path: str | os.PathLike[str], what: str, *, limit: int | 
         if limit is not None:
             size = os.fstat(handle.fileno()).st_size
             if size > limit:
-                raise ConfigError(f"{what} {_shown(Path(path))} holds {size:,} bytes; allowed: at most {limit:,}")
+                raise ConfigError(f"{what} {shown(path)} holds {size:,} bytes; allowed: at most {limit:,}")
         data = handle.read() if limit is None else handle.read(limit + 1)
     if limit is not None and len(data) > limit:  # grew while it was read
-        raise ConfigError(f"{what} {_shown(Path(path))} holds more than {limit:,} bytes; allowed: at most {limit:,}")
+        raise ConfigError(f"{what} {shown(path)} holds more than {limit:,} bytes; allowed: at most {limit:,}")
     return data  # type: ignore[no-any-return]
 
 
@@ -100,7 +99,7 @@ def refuse_link(path: str | os.PathLike[str], what: str) -> None:
             target = os.readlink(path)
         except OSError:
             target = "?"
-        raise ConfigError(f"{what} {_shown(path)} is a symbolic link (to {_shown(Path(target))}); remat does not "
+        raise ConfigError(f"{what} {shown(path)} is a symbolic link (to {shown(target)}); remat does not "
                           "write through links in a directory it owns: remove the link, or use another output_dir")
 
 
@@ -144,11 +143,11 @@ def open_append(path: str | os.PathLike[str], what: str, *, read: bool = False, 
     except OSError as err:
         if err.errno == errno.ELOOP:
             refuse_link(path, what)
-        raise ConfigError(f"{what} {_shown(path)}: {_reason(err)}") from None
+        raise ConfigError(f"{what} {shown(path)}: {_reason(err)}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{what} {_shown(path)} is {kind_of(info.st_mode)}; allowed: a regular file")
+            raise ConfigError(f"{what} {shown(path)} is {kind_of(info.st_mode)}; allowed: a regular file")
         os.set_blocking(fd, True)
         return open(fd, "a+" if read else "a", encoding=encoding, closefd=True)  # noqa: SIM115 (the caller closes it)
     except BaseException:
@@ -180,9 +179,9 @@ def disk_full_error(err: BaseException, path: str | os.PathLike[str], needed: in
             break
         except OSError:
             continue
-    need = f" needs {_size(needed)}," if needed else ""
-    left = f" {_size(free)} free" if free is not None else ""
-    return MachineFault(f"no space left on the device holding {_shown(path)}:{need}{left}; free some space or "
+    need = f" needs {format_bytes(needed)}," if needed else ""
+    left = f" {format_bytes(free)} free" if free is not None else ""
+    return MachineFault(f"no space left on the device holding {shown(path)}:{need}{left}; free some space or "
                         "write elsewhere (output_dir, checkpoint.checkpoint_dir); earlier checkpoints are kept")
 
 
@@ -218,16 +217,8 @@ def shown(text: str | os.PathLike[str], limit: int = 200) -> str:
     return repr(text) if text.isprintable() and len(text) <= limit else f"'{printable(text, limit)}'"
 
 
-def _shown(path: Path) -> str:
-    return shown(path)
-
-
 def _reason(err: OSError) -> str:
     return err.strerror or type(err).__name__
-
-
-def _size(num: int | None) -> str:
-    return "?" if num is None else format_bytes(num)
 
 
 __all__ = ["check_regular_file", "disk_full_error", "fsync_path", "is_disk_full", "kind_of", "open_append",
