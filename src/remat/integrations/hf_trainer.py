@@ -125,11 +125,16 @@ def use_fused_loss(model: nn.Module) -> None:
     loss_fn = FusedLinearCrossEntropy(logit_softcap=head.logit_softcap)
     decoder = model.get_decoder()
     original = model.forward
+    said: list[bool] = []  # the fallback below is said once
 
     def forward(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
         extra = {k: v for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
+        if extra and labels is not None and self.training and not said:
+            said.append(True)
+            logger.warning("loss='fused': the model was called with %s, which the fused loss does not take; the "
+                           "model's own loss runs for such calls (with its logits)", ", ".join(sorted(extra)))
         if labels is None or not self.training or extra:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
