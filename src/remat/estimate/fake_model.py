@@ -13,29 +13,13 @@ tests/estimate/test_estimate_vs_real.py).
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from remat._logs import quiet_log
 from remat.recipes.build import apply_lora, build_recipe_model
 from remat.recipes.config import RecipeConfig
-
-
-@contextlib.contextmanager
-def quiet_log(name: str) -> Iterator[None]:
-    """The logger ``name`` at WARNING at least for the block: what a build or a plan says at INFO is the run's to
-    say once, not each simulation's (a `remat plan` simulates a dozen steps)."""
-    log = logging.getLogger(name)
-    level = log.level
-    log.setLevel(max(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def build_fake_model(recipe: RecipeConfig, fake: FakeTensorMode, *, vocab_size: int | None) -> nn.Module:

@@ -25,12 +25,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from remat._logs import quiet_log
 from remat.checkpointing import Block, CheckpointPolicy, LayerOverride, apply_activation_checkpointing, find_blocks
 from remat.checkpointing.apply import remove_activation_checkpointing
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
 from remat.estimate.attention import CudaAttention
-from remat.estimate.fake_model import build_fake_model, quiet_log
+from remat.estimate.fake_model import build_fake_model
 from remat.estimate.simulate import SimulatedRun, make_batch, simulation_mode
 from remat.memory import LiveTensorTracker
 from remat.recipes.config import RecipeConfig

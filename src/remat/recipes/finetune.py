@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from remat._files import disk_full_error, is_disk_full
+from remat._logs import quiet_log
 from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
 from remat.data.fingerprint import dataset_fingerprint
 from remat.data.loader import collate
@@ -134,7 +135,8 @@ class FinetuneRecipe:
         # `self.model` stays the transformers (or peft) model, for saving; `compute_loss` is what the step calls.
         self.model = build_recipe_model(cfg, vocab_size=len(self.tokenizer), device=str(self.dist.device))
         self.dist.planned = self.replanner is not None  # `auto`: the planner already gave its notes on the plan
-        self.compute_loss = build_training_module(self.model, cfg, self.dist)
+        with quiet_log("remat.checkpointing.apply"):  # the setup report prints the plan's table, once
+            self.compute_loss = build_training_module(self.model, cfg, self.dist)
         self.optimizer = build_optimizer(cfg, (p for p in self.model.parameters() if p.requires_grad))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.step_scheduler.max_steps)
         self.batches = StatefulBatchIterator(

@@ -1,0 +1,20 @@
+"""Keeping a component's INFO lines out of a run that says the same thing itself."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def quiet_log(name: str) -> Iterator[None]:
+    """The logger ``name`` at WARNING at least for the block: what a build or a plan says at INFO is the caller's to
+    say once (the recipe's setup report prints the checkpointing table; a `remat plan` simulates a dozen steps)."""
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
