@@ -134,3 +134,14 @@ def test_the_example_in_docs_trainers_runs_as_written(tmp_path: Path, monkeypatc
     exec(compile(block, "docs/trainers.md", "exec"), {"__name__": "__docs__"})  # noqa: S102 (our own docs)
     printed = capsys.readouterr().out.strip().splitlines()
     assert float(printed[-1]) > 0 and any("selective" in line for line in printed)
+
+
+def test_a_refused_call_changes_nothing(tmp_path: Path) -> None:
+    """A bad policy or a budget without auto is refused before the Trainer or its model is touched."""
+    trainer = _trainer(tmp_path, gradient_checkpointing=True)
+    for kwargs, message in (({"policy": "fulll"}, "policy"), ({"policy": "full", "memory_budget": "1GiB"},
+                                                               "memory_budget: given with policy 'full'")):
+        with pytest.raises(ConfigError, match=message):
+            remat.prepare_trainer(trainer, loss="fused", **kwargs)
+    assert trainer.args.gradient_checkpointing is True and "forward" not in vars(trainer.model)
+    assert not is_checkpointed(trainer.model)

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing
+from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, parse_policy
 from remat.checkpointing.hf_native import disable_hf_checkpointing, is_hf_checkpointing
 from remat.errors import ConfigError
 from remat.loss import FusedLinearCrossEntropy, output_head, verify_output_head
@@ -63,19 +63,24 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ConfigError("prepare_trainer: DeepSpeed is not supported yet (its ZeRO stages own the parameters remat "
                           "would plan for); allowed: no DeepSpeed, DDP, or FSDP through accelerate")
-    _hf_checkpointing_off(trainer, model)
     base = _base_model(model)
+    # Everything that can be refused is refused before the Trainer or its model is changed.
+    planned: ActivationPlan | None = None
+    if isinstance(policy, str) and policy.strip().lower() == "auto":
+        planned = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss, seq_length=seq_length,
+                            target=target)
+    elif memory_budget is not None:
+        raise ConfigError(f"memory_budget: given with policy {policy!r}; a budget is planned for with policy='auto' "
+                          "only")
+    else:
+        parse_policy(policy, key="policy")
+    if loss == "fused":
+        verify_output_head(base)
+    _hf_checkpointing_off(trainer, model)
     if loss == "fused":
         use_fused_loss(base)
-    if isinstance(policy, str) and policy.strip().lower() == "auto":
-        plan: CheckpointPlan | ActivationPlan = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss,
-                                                          seq_length=seq_length, target=target)
-        apply_activation_checkpointing(model, plan)
-    else:
-        if memory_budget is not None:
-            raise ConfigError(f"memory_budget: given with policy {policy!r}; a budget is planned for with "
-                              "policy='auto' only")
-        plan = apply_activation_checkpointing(model, policy)
+    applied = apply_activation_checkpointing(model, planned if planned is not None else policy)
+    plan: CheckpointPlan | ActivationPlan = planned if planned is not None else applied
     callback = RematCallback(plan, log_memory=log_memory)
     trainer.add_callback(callback)
     if log_memory:
