@@ -182,14 +182,6 @@ def iter_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: s
     return itertools.islice(rows, cfg.max_samples)
 
 
-def read_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: str = "dataset") -> list[RawRow]:
-    """All rows of `iter_rows` in a list; a source without rows is a ConfigError."""
-    selected = list(iter_rows(cfg, default_split=default_split, key_prefix=key_prefix))
-    if not selected:
-        raise ConfigError(no_rows_message(cfg, key_prefix))
-    return selected
-
-
 def no_rows_message(cfg: DatasetConfig, key_prefix: str = "dataset") -> str:
     """The error for a source that holds no rows."""
     return f"{key_prefix}.path: {cfg.path!r} holds no rows"

@@ -102,8 +102,6 @@ class StepTrace:
     events: list[StorageEvent] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)
     """(number of events recorded before the mark, label)."""
-    tracked_peak: int = 0
-    tracked_breakdown: dict[str, int] = field(default_factory=dict)
     host_peak: int = 0
     """The most bytes of offloaded activations held in host memory at once (0 without offloading)."""
     parameters: int = 0
@@ -271,8 +269,6 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
             raise
         finally:
             hook.remove()
-    trace.tracked_peak = tracker.peak_bytes
-    trace.tracked_breakdown = tracker.peak_breakdown
     trace.host_peak = tracker.host_peak_bytes
     if offload is not None:
         trace.notes.append(describe_offload(offload, tracker.host_peak_bytes))

@@ -28,7 +28,6 @@ from remat.recipes.training_state.layout import (
 
 ARCHIVE_DIR = "archive"
 ARCHIVE_NOTE = "ARCHIVED.json"
-ON_NEWER = ("refuse", "archive")
 
 
 def newer_checkpoints(root: Path, resumed: Path) -> list[Path]:
