@@ -46,8 +46,11 @@ SCRIPT = textwrap.dedent('''
         report["missing"] = str(err)
     report["cli_exit"] = main(["finetune", missing_recipe])
     report["estimate_exit"] = main(["estimate", recipe, "--target", "cpu", "--json", out + ".estimate.json"])
+    report["estimate_hub_exit"] = main(["estimate", "%s", "--target", "cpu", "--seq-length", "32", "--json",
+                                        out + ".hub.json"])
+    report["estimate_missing_exit"] = main(["estimate", "tiny-org/not-cached", "--target", "cpu"])
     open(out, "w").write(json.dumps(report))
-''' % REPO)
+''' % (REPO, REPO))
 
 
 def _populate_hub_cache(hub_cache: Path) -> dict[str, float]:
@@ -130,7 +133,21 @@ def test_an_uncached_hub_id_offline_is_one_line(offline_run: tuple[dict[str, Any
                               f"'tiny-org/not-cached' {advice}")
     assert "`hf download tiny-org/not-cached`" in message and "\n" not in message
     assert report["cli_exit"] == 2  # the recipe stops at its first step that needs the repository: the tokenizer
-    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ") and "config.json" not in line]
     assert len(errors) == 1 and "Traceback" not in stderr and "WARNING" not in stderr
     assert errors[0].startswith("error: model.pretrained_model_name_or_path: cannot load the tokenizer for the Hub "
                                 f"id 'tiny-org/not-cached' {advice}")
+
+
+def test_remat_estimate_takes_a_hub_id_and_reads_only_its_cached_config(
+        offline_run: tuple[dict[str, Any], dict[str, float], str]) -> None:
+    """`remat estimate ORG/NAME ...` offline: the config.json from the HF cache, no weights; a Hub id that is not
+    cached is one line naming HF_HUB_OFFLINE."""
+    report, _, stderr = offline_run
+    assert report["estimate_hub_exit"] == 0
+    hub = json.loads(Path(report["estimate_json"].replace(".estimate.json", ".hub.json")).read_text())
+    assert hub["parameters"] > 0 and hub["peak_bytes"] > 0
+    assert report["estimate_missing_exit"] == 2
+    (line,) = [line for line in stderr.splitlines() if "cannot read config.json" in line]
+    assert line.startswith("error: model.pretrained_model_name_or_path: cannot read config.json for the Hub id "
+                           "'tiny-org/not-cached' (HF_HUB_OFFLINE is set")

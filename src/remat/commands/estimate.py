@@ -61,7 +61,9 @@ def register(subparsers: Any) -> None:
         NAME, help="predict the peak memory of a training step (no GPU needed)", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("recipe", nargs="?", help="a YAML recipe (see examples/); or give --preset / --config")
+    parser.add_argument("recipe", nargs="?", help="a YAML recipe (see examples/), or a model: a Hub id such as "
+                        "meta-llama/Llama-3.1-8B or a local model directory, of which only config.json is read (the HF "
+                        "cache offline, the Hub online; never weights); or give --preset / --config")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"a model shape preset instead of a recipe: {', '.join(preset_names())}")
     source.add_argument("--config", help="a transformers config.json (or the directory holding it) instead of a recipe")
@@ -152,6 +154,15 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
     from remat.estimate.settings import StepSettings
 
     flags = {name: _flag_value(name, getattr(args, flag)) for flag, name in _FLAGS if getattr(args, flag) is not None}
+    model_source = _model_source(args.recipe) if args.recipe is not None else None
+    if model_source is not None:  # a Hub id or a model directory: its config.json only, never weights
+        if args.preset or args.config or overrides:
+            raise ConfigError(f"model: got {args.recipe!r} as well as --preset / --config or recipe overrides; give "
+                              "one model (a Hub id or a model directory takes the step from the flags)")
+        from remat.models import ModelConfig
+
+        return resolve_model(ModelConfig(pretrained_model_name_or_path=model_source)), dataclasses.replace(
+            StepSettings(), **flags)
     if args.recipe is not None:
         if args.preset or args.config:
             raise ConfigError(f"recipe: got {args.recipe!r} as well as --preset / --config; give one of them (a "
@@ -166,6 +177,20 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
         raise ConfigError("model: give a recipe, --preset NAME or --config PATH (see `remat estimate --help`)")
     model = resolve_model(args.preset or args.config)
     return model, dataclasses.replace(StepSettings(), **flags)
+
+
+def _model_source(argument: str) -> str | None:
+    """``argument`` when it names a model rather than a recipe: a directory holding ``config.json``, or a Hub id
+    (``org/name``) that is not a file or a shipped recipe's name."""
+    from remat.hub import is_hub_id
+    from remat.recipes.shipped import shipped_recipes
+
+    path = Path(argument).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return argument
+    if path.exists() or argument.removesuffix(".yaml") in shipped_recipes() or "/" not in argument:
+        return None
+    return argument if is_hub_id(argument) else None
 
 
 def _flag_value(name: str, value: Any) -> Any:
