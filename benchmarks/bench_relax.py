@@ -45,8 +45,8 @@ def recipe(out: Path, policy: Any, budget: int | str, steps: int, relax_after: i
         "lr_scheduler": {"warmup_steps": 1, "decay": "constant"},
         "checkpoint": {"enabled": False},
         "logging": {"progress": "plain", "memory": "tracked", "metrics_file": None},
-        "distributed": {"device": "cpu", "activation_checkpointing": policy, "memory_budget": budget,
-                        "relax_after_steps": relax_after},
+        "distributed": {"device": "cpu", "activation_checkpointing": {  # what auto planned: ``policy``
+            "mode": "auto", "plan": policy, "memory_budget": budget, "relax_after_steps": relax_after}},
     }
 
 

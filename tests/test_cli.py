@@ -186,7 +186,7 @@ def test_report_of_rows_without_memory_is_one_line(tmp_path: Path, capsys: pytes
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["plan", "quickstart", "--budget", "-1GiB"], "error: --budget: got '-1GiB'; allowed: a number with a unit"),
+    (["plan", "quickstart", "--budget", "-1GiB"], "error: --budget: got '-1GiB'; a budget is more than nothing; allowed:"),
     (["estimate", "--preset", "tiny-llama", "--fits", "-5GiB"], "error: --fits: got '-5GiB'; allowed: a number"),
 ])
 def test_a_negative_size_is_answered_by_the_size_rules(argv: list[str], message: str,

@@ -96,7 +96,7 @@ def _recipe(tmp_path: Path, text: str) -> str:
     (("finetune", "{recipe}"), "dataset.path: '/no/such/data.jsonl' does not exist"),
     (("finetune", "{plain}", "--nproc-per-node", "2"), "distributed.strategy: 'single' runs one process, but the "
                                                          "launch has 2"),
-    (("finetune", "{auto}"), "distributed.memory_budget: required here: planning for the CPU"),
+    (("finetune", "{auto}"), "distributed.activation_checkpointing.memory_budget: required here: planning for the CPU"),
     (("report", "{missing}"), "is not a directory; give a run's output_dir"),
     (("estimate", "--preset", "tiny-llama", "--fits", "80"), "error: --fits: got '80'; allowed: a number with a unit"),
 ])

@@ -18,3 +18,15 @@ def quiet_log(name: str) -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+_said: set[str] = set()
+
+
+def warn_once(log: logging.Logger, message: str, *args: object) -> None:
+    """``log.warning(message % args)`` once per process: an ``auto`` run validates its recipe more than once (the
+    planned recipe, each worker), and the same advice three times is noise."""
+    text = message % args
+    if text not in _said:
+        _said.add(text)
+        log.warning(text)

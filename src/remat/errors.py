@@ -34,5 +34,5 @@ class DistributedSetupError(RematError):
 
 
 class MemoryBudgetError(RematError):
-    """A training step does not fit ``distributed.memory_budget`` and re-planning the checkpointing (``auto``) gave
+    """A training step does not fit ``activation_checkpointing.memory_budget`` and re-planning the checkpointing (``auto``) gave
     up: the message says what the last plan needed and what would help."""

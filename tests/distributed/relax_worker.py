@@ -35,7 +35,7 @@ def budget_for(out: Path, strategy: str) -> int:
 def relaxing(out: Path, strategy: str, budget: int, policy: Any, relax_after_steps: int | None) -> dict[str, Any]:
     data = recipe(out, strategy, budget)
     data["step_scheduler"]["max_steps"] = 4
-    data["distributed"].update(activation_checkpointing=policy, relax_after_steps=relax_after_steps)
+    data["distributed"]["activation_checkpointing"].update(plan=policy, relax_after_steps=relax_after_steps)
     return data
 
 

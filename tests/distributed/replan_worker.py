@@ -32,8 +32,8 @@ def recipe(out: Path, strategy: str, budget: int | str) -> dict[str, Any]:
         "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
         "lr_scheduler": {"warmup_steps": 1, "decay": "constant"},
         "checkpoint": {"enabled": False}, "logging": {"progress": "plain", "memory": "tracked", "metrics_file": None},
-        "distributed": {"strategy": strategy, "device": "cpu", "activation_checkpointing": "none",
-                        "memory_budget": budget},
+        "distributed": {"strategy": strategy, "device": "cpu",  # what auto planned for the budget: none
+                        "activation_checkpointing": {"mode": "auto", "plan": "none", "memory_budget": budget}},
     }
 
 

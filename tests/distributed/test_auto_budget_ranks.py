@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from remat.checkpointing import CheckpointPolicy
+from remat.recipes.loader import load_recipe
 
 SMALL = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}}
@@ -39,21 +40,20 @@ def _recipe(tmp_path: Path, strategy: str) -> Path:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_every_rank_plans_the_same_and_stays_within_the_per_rank_budget(tmp_path: Path, remat_cache: Path,
                                                                          strategy: str) -> None:
-    from remat.planner import planner_for_recipe
-    from remat.planner.api import recipe_for_planning
-    from remat.recipes.loader import load_recipe_data
+    from remat.planner.api import planner_for_recipe
 
     path = _recipe(tmp_path, strategy)
-    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(path)), world_size=2)
+    planner = planner_for_recipe(load_recipe(path), world_size=2)
     none, full = (planner.estimate(CheckpointPolicy(mode=mode)).peak_bytes for mode in ("none", "full"))
     budget = full + (none - full) // 3
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-               "remat.cli", "--log-level", "INFO", "finetune", str(path), "--distributed.memory_budget", str(budget)]
+               "remat.cli", "--log-level", "INFO", "finetune", str(path), "--distributed.activation_checkpointing.memory_budget", str(budget)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    plans = re.findall(r"activation checkpointing 'auto' planned for .*?\n(.*?)(?:\n\S*\[remat\]|\Z)", output, re.S)
-    assert len(plans) == 2 and plans[0] == plans[1], plans  # each rank planned, the same plan
+    # under torchrun alone each rank plans, or reads the plan rank 0 wrote if it comes later: the same plan
+    plans = re.findall(r"activation checkpointing 'auto' (?:planned for|read from) [^\n]*?: ([^\n]+)", output)
+    assert len(plans) == 2 and plans[0] == plans[1], plans
     records = [json.loads(line) for line in (tmp_path / "run" / "m.jsonl").read_text().splitlines()]
     steps = [r["mem_bytes"] for r in records if "mem_bytes" in r]
     # every step within the budget; the second (the optimizer state exists) above what full checkpointing needs

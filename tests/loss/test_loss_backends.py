@@ -115,7 +115,7 @@ def test_auto_skips_cce_where_it_cannot_do_the_call_and_says_why(installed, capl
     with caplog.at_level(logging.INFO, logger="remat.loss"):
         assert select_backend("auto", CUDA, request_) == "liger"
     message = caplog.records[-1].getMessage()
-    assert "backend 'liger' on cuda" in message and f"skipped cce: " in message and why in message
+    assert "backend 'liger' on cuda" in message and "skipped cce: " in message and why in message
 
 
 def test_cce_without_a_backward_on_fp32_and_liger_with_a_bias_are_fine(installed) -> None:

@@ -103,13 +103,12 @@ def _recipe(tmp_path: Path, **distributed: Any) -> Path:
 def test_a_calibration_changes_the_planners_throughput_and_predicted_times(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from remat.cli import main
-    from remat.planner import planner_for_recipe
-    from remat.planner.api import recipe_for_planning
-    from remat.recipes.loader import load_recipe_data
+    from remat.planner.api import planner_for_recipe
+    from remat.recipes.loader import load_recipe
 
     cal = write_calibration(_calibration(1e9), tmp_path / "cal.json")
-    default = planner_for_recipe(recipe_for_planning(load_recipe_data(_recipe(tmp_path))))
-    calibrated = planner_for_recipe(recipe_for_planning(load_recipe_data(
+    default = planner_for_recipe(load_recipe(_recipe(tmp_path)))
+    calibrated = planner_for_recipe(load_recipe((
         _recipe(tmp_path, planner_calibration=str(cal)))))
     assert default.flops_per_second == 5e10
     assert calibrated.flops_per_second == pytest.approx(1e9)
@@ -131,12 +130,14 @@ def test_a_calibration_changes_the_planners_throughput_and_predicted_times(
 def test_a_calibration_for_the_other_target_or_a_broken_one_is_refused(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     from remat.cli import main
-    from remat.planner import load_planned_recipe
+    from remat.planner import plan_recipe_auto
+    from remat.recipes.loader import load_recipe
 
     gpu = write_calibration(_calibration(4e14, target="cuda"), tmp_path / "gpu.json")
-    with pytest.raises(ConfigError, match=r"distributed.planner_calibration: '.*gpu.json' was measured on cuda "
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.calibration: '.*gpu.json' was "
+                                          r"measured on cuda "
                                           r"\(test device\) but this plan is for cpu"):
-        load_planned_recipe(_recipe(tmp_path, planner_calibration=str(gpu), memory_budget="1GiB"))
+        plan_recipe_auto(load_recipe(_recipe(tmp_path, planner_calibration=str(gpu), memory_budget="1GiB")))
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     assert main(["plan", str(_recipe(tmp_path)), "--budget", "1GiB", "--calibration", str(broken)]) == 2

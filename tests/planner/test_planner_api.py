@@ -15,11 +15,12 @@ import yaml
 
 from remat.checkpointing import CheckpointPolicy, apply_activation_checkpointing, parse_policy
 from remat.errors import ConfigError
-from remat.planner import DEFAULT_MARGIN, ActivationPlan, load_planned_recipe, parse_budget
+from remat.checkpointing.budget import DEFAULT_MARGIN, parse_budget
+from remat.planner import ActivationPlan, plan_recipe_auto
 from remat.planner import plan_activation_checkpointing
 from remat.planner.choose import Assignment, assign, cheapest_saving, frontier, policy_of
 from remat.planner.measure import BlockKind, BlockMeasurements, ModeCost
-from remat.recipes.loader import validate_recipe
+from remat.recipes.loader import load_recipe, validate_recipe
 
 GIB = 2**30
 #: A small Llama that plans in a few seconds: 4 blocks, hidden 64, vocabulary 512.
@@ -121,7 +122,7 @@ def test_a_plan_for_a_model_is_applied_by_apply_activation_checkpointing() -> No
 
 def test_nothing_fits_names_the_smallest_plan_and_what_would_help() -> None:
     # Sizes people can read: the 1 MiB budget and the need in MiB, the policy named once.
-    with pytest.raises(ConfigError, match=r"distributed.memory_budget: nothing fits 1.00 MiB; the smallest plan "
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.memory_budget: nothing fits 1.00 MiB; the smallest plan "
                                           r"\(full\) needs \d\d\d MiB predicted\. What would help: a smaller "
                                           r"micro-batch .*FSDP.*the fused loss"):
         plan_activation_checkpointing("tiny-llama", memory_budget=2**20, batch_size=4, seq_length=512, target="cpu")
@@ -139,30 +140,34 @@ def _recipe_file(tmp_path: Path, **distributed: Any) -> Path:
     return path
 
 
-def test_auto_in_a_recipe_is_resolved_before_validation(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing: 'auto' is chosen by the planner"):
-        validate_recipe({"model": SMALL, "distributed": {"activation_checkpointing": "auto"}})
-    with pytest.raises(ConfigError, match=r"distributed.memory_budget: required here: planning for the CPU"):
-        load_planned_recipe(_recipe_file(tmp_path, activation_checkpointing="auto"))
-    cfg, plan = load_planned_recipe(_recipe_file(tmp_path, activation_checkpointing="auto", memory_budget="2GiB"))
-    assert plan is not None and plan.budget_bytes == 2 * GIB
-    assert cfg.distributed.activation_checkpointing == plan.policy == CheckpointPolicy(mode="none")
-    cfg, plan = load_planned_recipe(_recipe_file(tmp_path, activation_checkpointing="full"))
-    assert plan is None and cfg.distributed.activation_checkpointing == CheckpointPolicy(mode="full")
+def test_auto_in_a_recipe_is_planned_after_validation_as_data(tmp_path: Path) -> None:
+
+    unplanned = validate_recipe({"model": SMALL, "distributed": {"activation_checkpointing": "auto"}})
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing: 'auto' is not planned yet"):
+        unplanned.distributed.policy
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.memory_budget: required here: "
+                                          r"planning for the CPU"):
+        plan_recipe_auto(load_recipe(_recipe_file(tmp_path, activation_checkpointing="auto")))
+    auto = {"mode": "auto", "memory_budget": "2GiB"}
+    cfg, plan = plan_recipe_auto(load_recipe(_recipe_file(tmp_path, activation_checkpointing=auto)))
+    assert plan.budget_bytes == 2 * GIB
+    assert cfg.distributed.policy == plan.policy == CheckpointPolicy(mode="none")
+    assert cfg.distributed.auto is not None and cfg.distributed.auto.plan == plan.policy  # planned by auto: data
+    assert validate_recipe(cfg.model_dump(mode="json", by_alias=True)).distributed == cfg.distributed
+    with pytest.raises(ConfigError, match=r"plan_recipe_auto plans a recipe with activation_checkpointing: auto"):
+        plan_recipe_auto(load_recipe(_recipe_file(tmp_path, activation_checkpointing="full")))
 
 
 def test_remat_finetune_trains_an_auto_recipe_within_its_budget(tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     from remat.cli import main
-    from remat.planner import planner_for_recipe
-    from remat.planner.api import recipe_for_planning
-    from remat.recipes.loader import load_recipe_data
+    from remat.planner.api import planner_for_recipe
 
     path = _recipe_file(tmp_path, activation_checkpointing="auto")
-    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(path)))
+    planner = planner_for_recipe(load_recipe(path))
     none, full = (planner.estimate(CheckpointPolicy(mode=mode)).peak_bytes for mode in ("none", "full"))
     budget = full + (none - full) // 3
-    with caplog.at_level("INFO", logger="remat.commands.finetune"):
+    with caplog.at_level("INFO", logger="remat.planner.handoff"):
         assert main(["finetune", str(path), "--distributed.memory_budget", str(budget), "--logging.memory", "tracked",
                      "--logging.metrics_file", "m.jsonl"]) == 0
     assert any("activation checkpointing 'auto' planned" in r.getMessage() for r in caplog.records)
@@ -244,21 +249,19 @@ def test_plans_for_kv_sharing_models_respect_the_producers_fallback() -> None:
 def test_auto_plans_a_lora_recipe_with_its_adapters(tmp_path: Path) -> None:
     """A recipe with a ``peft`` section and ``auto``: planned with its adapters (only they have gradients and
     optimizer state), within the budget, and the recipe comes back with its peft section and the chosen policy."""
-    from remat.planner import planner_for_recipe
-    from remat.planner.api import recipe_for_planning
-    from remat.recipes.loader import load_recipe_data
+    from remat.planner.api import planner_for_recipe
 
     path = _recipe_file(tmp_path, activation_checkpointing="auto")
     path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "peft": {"r": 4}}))
-    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(path)))
+    planner = planner_for_recipe(load_recipe(path))
     none, full = (planner.estimate(CheckpointPolicy(mode=mode)) for mode in ("none", "full"))
     assert 0 < none.trainable_parameters < none.parameters // 10  # the adapters only
     # AdamW: exp_avg and exp_avg_sq in float32, and a float32 step per adapter tensor (4 blocks x 7 linears x A, B)
     assert none.breakdown["optimizer_state"] == 2 * 4 * none.trainable_parameters + 4 * (4 * 7 * 2)
     budget = full.peak_bytes + (none.peak_bytes - full.peak_bytes) // 2
-    cfg, plan = load_planned_recipe(path, [("distributed.memory_budget", budget)])
+    cfg, plan = plan_recipe_auto(load_recipe(path, [("distributed.memory_budget", budget)]))
     assert plan is not None and full.peak_bytes <= plan.peak_bytes <= budget
-    assert cfg.peft is not None and cfg.peft.r == 4 and cfg.distributed.activation_checkpointing == plan.policy
+    assert cfg.peft is not None and cfg.peft.r == 4 and cfg.distributed.policy == plan.policy
 
 
 def test_remat_plan_plans_for_what_the_recipe_would_train_on_here(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,9 +16,9 @@ from remat.checkpointing import CheckpointPolicy
 from remat.errors import ConfigError
 from remat.estimate import StepSettings
 from remat.models import ModelConfig
-from remat.planner import Planner, load_planned_recipe, plan_activation_checkpointing
+from remat.planner import Planner, plan_activation_checkpointing, plan_recipe_auto
 from remat.planner.loss_choice import NEAR_TIE, carried_loss_kwargs, count_loss_flops
-from remat.recipes.loader import validate_recipe
+from remat.recipes.loader import load_recipe, validate_recipe
 
 LLAMA = ModelConfig(preset="tiny-llama")  # 4 blocks, hidden 256, vocabulary 8192: the logits weigh
 SHAPE = {"batch_size": 2, "seq_length": 512}
@@ -72,7 +71,6 @@ def test_a_near_tie_keeps_the_recipes_own_loss() -> None:
 def test_an_auto_recipe_with_planner_loss_choose_trains_with_the_chosen_loss(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from remat.cli import main
-    from remat.commands.finetune import _planned_recipe
 
     # `_recipe_file`'s small Llama with a larger vocabulary and longer rows: the logits weigh in its peak
     larger = {"model.config.vocab_size": 2048, "tokenizer.vocab_size": 2048, "dataset.seq_length": 256}
@@ -81,41 +79,45 @@ def test_an_auto_recipe_with_planner_loss_choose_trains_with_the_chosen_loss(
     assert fused < plain
     budget = (plain + fused) // 2
     path = _recipe_file(tmp_path, activation_checkpointing="auto", planner_loss="choose")
-    cfg, plan = load_planned_recipe(path, [*larger.items(), ("distributed.memory_budget", budget),
-                                           ("loss_fn.ignore_index", -100)])
+    cfg, plan = plan_recipe_auto(load_recipe(path, [*larger.items(), ("distributed.memory_budget", budget),
+                                           ("loss_fn.ignore_index", -100)]))
     assert plan is not None and plan.loss == "fused"
     assert cfg.loss_fn.target == "remat.loss.FusedLinearCrossEntropy" and cfg.loss_fn.kwargs == {"ignore_index": -100}
-    assert cfg.distributed.activation_checkpointing == plan.policy
+    assert cfg.distributed.policy == plan.policy
     overrides = [item for key, value in larger.items() for item in (f"--{key}", str(value))]
     assert main(["finetune", str(path), *overrides, "--distributed.memory_budget", str(budget), "--logging.memory",
                  "tracked", "--logging.metrics_file", "m.jsonl"]) == 0
     steps = [r for r in map(json.loads, (tmp_path / "run" / "m.jsonl").read_text().splitlines()) if "mem_bytes" in r]
     assert len(steps) == 2 and all(r["mem_bytes"] <= budget for r in steps), (steps, budget)
-    # processes started by torchrun get the chosen loss as an override, like the policy
-    _, worker_overrides = _planned_recipe(str(path), [*overrides, "--distributed.memory_budget", str(budget)],
-                                          SimpleNamespace(requested=False))
-    assert worker_overrides[-2:] == ["--loss_fn", json.dumps({"_target_": "remat.loss.FusedLinearCrossEntropy"})]
+    # every process of the run reads the chosen loss from the run's plan file, with the policy
+    saved = json.loads((tmp_path / "run" / "auto_plan.json").read_text())
+    assert saved["loss_fn"] == {"_target_": "remat.loss.FusedLinearCrossEntropy", "ignore_index": -100} or \
+        saved["loss_fn"] == {"_target_": "remat.loss.FusedLinearCrossEntropy"}
+    assert saved["activation_checkpointing"]["plan"] == plan.policy.to_dict()
     capsys.readouterr()
     out = tmp_path / "plan.json"
     assert main(["plan", str(path), *overrides, "--distributed.planner_loss", "keep", "--budget", str(budget),
                  "--loss-choice", "choose", "--json", str(out)]) == 0
-    assert "loss chosen by the planner (distributed.planner_loss: choose): fused" in capsys.readouterr().out
+    assert ("loss chosen by the planner (distributed.activation_checkpointing.loss: choose): fused"
+            in capsys.readouterr().out)
     assert json.loads(out.read_text())["budgets"][0]["loss"] == "fused"
 
 
 def test_bad_values_and_losses_that_cannot_be_chosen_are_one_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"distributed.planner_loss: got 'maybe'; allowed: 'keep' or 'choose'"):
-        validate_recipe({"model": SMALL, "distributed": {"planner_loss": "maybe"}})
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.loss: got 'maybe'; allowed: 'keep' or "
+                                          r"'choose'"):
+        validate_recipe({"model": SMALL, "distributed": {"activation_checkpointing": {"mode": "auto",
+                                                                                       "loss": "maybe"}}})
     with pytest.raises(ConfigError, match=r"^loss_choice: got 'fused'; allowed: keep, choose$"):
         plan_activation_checkpointing(LLAMA, memory_budget="1GiB", target="cpu", loss_choice="fused", **SHAPE)
     softcap = {"_target_": "remat.loss.FusedLinearCrossEntropy", "logit_softcap": 30.0}
-    with pytest.raises(ConfigError, match=r"distributed.planner_loss: choose cannot give the plain loss .* the "
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.loss: choose cannot give the plain loss .* the "
                                           r"recipe's loss_fn.logit_softcap"):
-        load_planned_recipe(_recipe_file(tmp_path, activation_checkpointing="auto", planner_loss="choose"),
-                            [("distributed.memory_budget", "1GiB"), ("loss_fn", softcap)])
-    with pytest.raises(ConfigError, match=r"distributed.planner_loss: choose picks between .* the recipe's "
-                                          r"loss_fn._target_ is 'mypackage.MyLoss'; use "
-                                          r"distributed.planner_loss: keep"):
+        plan_recipe_auto(load_recipe(_recipe_file(tmp_path, activation_checkpointing="auto", planner_loss="choose"),
+                            [("distributed.memory_budget", "1GiB"), ("loss_fn", softcap)]))
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.loss: choose picks between .* the "
+                                          r"recipe's loss_fn._target_ is 'mypackage.MyLoss'; use "
+                                          r"distributed.activation_checkpointing.loss: keep"):
         plan_activation_checkpointing(LLAMA, memory_budget="1GiB", target="cpu", loss="mypackage.MyLoss",
                                       loss_choice="choose", **SHAPE)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from remat.errors import ConfigError
+from remat.recipes.loader import load_recipe
 from remat.planner.profile import PlanSummary, ProfileReport, SettingResult, parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,12 +90,10 @@ def test_remat_profile_on_the_cpu_gives_table_json_png_and_calibration(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from remat.checkpointing import CheckpointPolicy
     from remat.cli import main
-    from remat.planner import planner_for_recipe
-    from remat.planner.api import recipe_for_planning
+    from remat.planner.api import planner_for_recipe
     from remat.planner.calibration import read_calibration
-    from remat.recipes.loader import load_recipe_data
 
-    planner = planner_for_recipe(recipe_for_planning(load_recipe_data(QUICKSTART, TINY)), target="cpu")
+    planner = planner_for_recipe(load_recipe(QUICKSTART, TINY), target="cpu")
     none, full = (planner.estimate(CheckpointPolicy(mode=mode)).peak_bytes for mode in ("none", "full"))
     budget = full + (none - full) // 2
     out, png, cal = tmp_path / "profile.json", tmp_path / "profile.png", tmp_path / "cal.json"
@@ -106,7 +105,7 @@ def test_remat_profile_on_the_cpu_gives_table_json_png_and_calibration(
     assert re.search(r"^setting +policy +peak GiB +x none +median step s", printed, flags=re.M)
     assert f"auto@{budget}: planned for" in printed and "calibration: " in printed
     assert f"profile [3/4, round 2/2] auto@{budget}" in printed  # progress, one line per setting and round
-    assert "profile [4/4, round 1/2] auto@1MiB: distributed.memory_budget: nothing fits 1.00 MiB" in printed
+    assert "profile [4/4, round 1/2] auto@1MiB: distributed.activation_checkpointing.memory_budget: nothing fits 1.00 MiB" in printed
     assert re.search(r"^auto@1MiB +- +- +-", printed, flags=re.M)
 
     report = json.loads(out.read_text())

@@ -204,17 +204,18 @@ def test_the_watch_counts_stable_steps_asks_once_per_plan_and_stops_after_a_rela
 
 def test_relax_after_steps_is_a_validated_recipe_key_shown_in_the_help(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert validate_recipe(recipe(tmp_path)).distributed.relax_after_steps == 100
+    assert validate_recipe(recipe(tmp_path, policy="auto")).distributed.auto.relax_after_steps == 100
     off = recipe(tmp_path, distributed={"relax_after_steps": None})
-    assert validate_recipe(off).distributed.relax_after_steps is None
+    assert validate_recipe(off).distributed.auto.relax_after_steps is None
     for bad in (0, -3, "often", 2.5):
-        with pytest.raises(ConfigError, match=r"distributed.relax_after_steps"):
+        with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.relax_after_steps"):
             validate_recipe(recipe(tmp_path, distributed={"relax_after_steps": bad}))
     from remat.cli import main
 
     with pytest.raises(SystemExit):
         main(["finetune", "--help"])
-    assert "distributed.relax_after_steps  [int > 0 or null]  default 100" in capsys.readouterr().out
+    assert ("distributed.activation_checkpointing.relax_after_steps  [int > 0 or null]  default 100"
+            in capsys.readouterr().out)
 
 
 def test_a_plan_that_checkpoints_nothing_is_kept_without_building_a_planner() -> None:

@@ -20,8 +20,10 @@ import torch
 from remat.checkpointing import CheckpointPolicy
 from remat.errors import ConfigError, MemoryBudgetError
 from remat.estimate.api import MemoryEstimate
-from remat.planner import Planner, planner_for_recipe
+from remat.planner import Planner
+from remat.planner.api import planner_for_recipe
 from remat.planner.adapt import PlanAdapter, adapter_for_recipe, forward_backward_peak
+from remat.recipes.config import AUTO_KEYS
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
 from remat.recipes.replan import Overshoot, size
@@ -48,6 +50,10 @@ def recipe(tmp_path: Path, *, policy: Any = "none", max_steps: int = 3, **extra:
     }
     for key, value in extra.items():
         data[key] = {**data.get(key, {}), **value}
+    planner_keys = {key: data["distributed"].pop(key) for key in list(data["distributed"]) if key in AUTO_KEYS}
+    if planner_keys:  # the planner's keys belong to auto: a pinned policy here is what auto planned
+        planned = {} if policy == "auto" else {"plan": policy}
+        data["distributed"]["activation_checkpointing"] = {"mode": "auto", **planned, **planner_keys}
     return data
 
 
@@ -177,10 +183,10 @@ def test_more_overshoots_than_max_replans_stop_with_what_would_help(planner: Pla
         job.compute_loss = oom  # type: ignore[assignment]
 
     with pytest.raises(MemoryBudgetError, match=(
-            rf"distributed.memory_budget: step 1 does not fit {size(budget)} after 1 re-plan\(s\) "
-            r"\(distributed.max_replans: 1\): out of memory \(CUDA out of memory \(injected\)\) under the last plan, "
-            r".+ \(predicted peak \d+\.\d\d MiB\)\. What would help: a larger distributed.memory_budget .*a smaller "
-            r"micro-batch.*the fused loss.*fsdp2.*distributed.max_replans")):
+            rf"distributed.activation_checkpointing.memory_budget: step 1 does not fit {size(budget)} after 1 "
+            r"re-plan\(s\) \(activation_checkpointing.max_replans: 1\): out of memory \(CUDA out of memory "
+            r"\(injected\)\) under the last plan, .+ \(predicted peak \d+\.\d\d MiB\)\. What would help: a larger "
+            r"memory_budget .*a smaller micro-batch.*the fused loss.*fsdp2.*max_replans")):
         train(recipe(tmp_path, policy=right.to_dict(), distributed={"max_replans": 1}), replanner=adapter,
               prepare=always)
     assert adapter.policy != right  # it did re-plan once before giving up
@@ -207,7 +213,7 @@ def test_a_budget_nothing_can_meet_after_correction_is_one_clear_error(planner: 
     adapter = PlanAdapter(lambda: planner, budget_bytes=budget, policy=full)
     peak = forward_backward_peak(planner.estimate(full))
     with pytest.raises(ConfigError, match=r"no plan fits the corrected planning budget .* MiB \(the budget .* MiB "
-                                          r"less the prediction's error\): distributed.memory_budget: nothing fits"):
+                                          r"less the prediction's error\): distributed.activation_checkpointing.memory_budget: nothing fits"):
         adapter.replan(Overshoot(step=1, budget_bytes=budget, peak_bytes=2 * peak))
 
 
@@ -234,13 +240,13 @@ def test_a_checkpoint_after_a_replan_resumes_with_the_replanned_policy(
 
 
 def test_max_replans_is_a_validated_recipe_key(tmp_path: Path) -> None:
-    assert validate_recipe(recipe(tmp_path)).distributed.max_replans == 3
-    with pytest.raises(ConfigError, match=r"distributed.max_replans"):
+    assert validate_recipe(recipe(tmp_path, policy="auto")).distributed.auto.max_replans == 3
+    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.max_replans"):
         validate_recipe(recipe(tmp_path, distributed={"max_replans": -1}))
 
 
 def test_the_adapter_of_an_auto_recipe_holds_its_budget_and_first_policy(tmp_path: Path) -> None:
-    cfg = validate_recipe(recipe(tmp_path, policy="selective", distributed={"memory_budget": "3MiB"}))
+    cfg = validate_recipe(recipe(tmp_path, policy={"mode": "selective"}, distributed={"memory_budget": "3MiB"}))
     adapter = adapter_for_recipe(cfg)
     assert adapter.budget_bytes == 3 * 2**20 and adapter.policy == CheckpointPolicy(mode="selective")
     assert adapter.state_dict() == {"policy": {"mode": "selective"}, "planning_budget": 3 * 2**20,
@@ -257,8 +263,6 @@ def test_remat_finetune_gives_auto_runs_and_their_workers_a_replanner(tmp_path: 
     import yaml
 
     from remat.cli import main
-    from remat.commands.finetune import AUTO_PLANNED_ENV, _workers_told_auto
-
     given: list[Any] = []
 
     def record(job: FinetuneRecipe) -> RunResult:
@@ -266,22 +270,21 @@ def test_remat_finetune_gives_auto_runs_and_their_workers_a_replanner(tmp_path: 
         return RunResult()
 
     monkeypatch.setattr(FinetuneRecipe, "run", record)
-    monkeypatch.delenv(AUTO_PLANNED_ENV, raising=False)
     path = tmp_path / "auto.yaml"
     path.write_text(yaml.safe_dump(recipe(tmp_path, policy="auto", distributed={"memory_budget": "1GiB"})))
     assert main(["finetune", str(path)]) == 0
     assert isinstance(given[-1], PlanAdapter) and given[-1].budget_bytes == GIB
     assert given[-1].policy == CheckpointPolicy(mode="none")  # 1 GiB: nothing to checkpoint
-    assert main(["finetune", str(path), "--distributed.max_replans", "0"]) == 0 and given[-1] is None
+    assert main(["finetune", str(path), "--distributed.activation_checkpointing.max_replans", "0"]) == 0
+    assert given[-1] is None
     assert main(["finetune", str(path), "--distributed.activation_checkpointing", "full"]) == 0 and given[-1] is None
-    # A torchrun worker of an auto launch gets the chosen policy as an override, and the launcher's word (set
-    # for the launch only).
-    with _workers_told_auto(True):
-        assert os.environ[AUTO_PLANNED_ENV] == "1"
-    assert AUTO_PLANNED_ENV not in os.environ
-    monkeypatch.setenv(AUTO_PLANNED_ENV, "1")
-    assert main(["finetune", str(path), "--distributed.activation_checkpointing", "full"]) == 0
-    assert isinstance(given[-1], PlanAdapter) and given[-1].policy == CheckpointPolicy(mode="full")
+    # Every process of an auto run reads the plan from the run's plan file ("planned by auto" is part of the
+    # recipe, never told through the environment or the command line), and a pinned policy is never re-planned.
+    saved = json.loads((tmp_path / "run" / "auto_plan.json").read_text())
+    assert saved["activation_checkpointing"]["plan"] == {"mode": "none"}
+    assert main(["finetune", str(path)]) == 0
+    assert isinstance(given[-1], PlanAdapter) and given[-1].policy == CheckpointPolicy(mode="none")
+    assert not any(name.startswith("REMAT_") and "AUTO" in name for name in os.environ)
 
 
 @pytest.mark.parametrize("same_budget", [True, False])

@@ -169,12 +169,57 @@ def test_every_distributed_key_is_an_argument_of_the_setup() -> None:
     import inspect
 
     from remat.distributed import DistributedSetup
-    from remat.recipes.config import PLANNER_KEYS, DistributedConfig
+    from remat.recipes.config import AUTO_KEYS, AutoCheckpointing, DistributedConfig
 
-    setup_keys = set(DistributedConfig.model_fields) - set(PLANNER_KEYS)
-    assert setup_keys <= set(inspect.signature(DistributedSetup.build).parameters)
-    assert PLANNER_KEYS == ("memory_budget", "max_replans", "planner_calibration", "planner_loss",
-                            "relax_after_steps")
+    assert set(DistributedConfig.model_fields) <= set(inspect.signature(DistributedSetup.build).parameters)
+    assert set(AUTO_KEYS) == set(AutoCheckpointing.model_fields) - {"mode", "plan"}
+
+
+@pytest.mark.parametrize(("distributed", "message"), [
+    ({"activation_checkpointing": "full", "memory_budget": "forty gigs", "max_replans": 7},
+     r"^invalid recipe:\n  distributed.memory_budget: a key of the planner, read only with "
+     r"distributed.activation_checkpointing: auto \(got 'full'\)"),
+    ({"activation_checkpointing": {"mode": "selective", "max_replans": 2}},
+     r"distributed.activation_checkpointing.max_replans: a key of the planner, read only with mode auto \(got mode "
+     r"'selective'\)"),
+    ({"activation_checkpointing": {"mode": "auto", "memory_budget": "forty gigs"}},
+     r"distributed.activation_checkpointing.memory_budget: got 'forty gigs'; allowed: a number with a unit"),
+    ({"activation_checkpointing": {"mode": "auto", "memory_budget": "-1GiB"}},
+     r"distributed.activation_checkpointing.memory_budget: got '-1GiB'; a budget is more than nothing"),
+    ({"activation_checkpointing": "auto", "memory_budget": -3},
+     r"distributed.activation_checkpointing.memory_budget: got -3; a budget is more than nothing"),
+    ({"activation_checkpointing": {"mode": "auto", "memory_budget": 1.5}},
+     r"memory_budget: got 1.5; a fraction of the device's memory must be in \(0, 1\]"),
+    ({"activation_checkpointing": {"mode": "auto", "memory_budget": "1GiB"}, "memory_budget": "2GiB"},
+     r"distributed.activation_checkpointing.memory_budget: given twice"),
+    ({"activation_checkpointing": {"mode": "auto", "max_replan": 2}},
+     r"distributed.activation_checkpointing.max_replan: unknown key \(did you mean "
+     r"'distributed.activation_checkpointing.max_replans'\?\)"),
+])
+def test_the_planner_section_is_checked_when_the_recipe_is_read(distributed: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate_recipe({"model": {"preset": "tiny-llama"}, "distributed": distributed})
+
+
+def test_auto_with_its_keys_nested_or_in_the_older_loose_spelling(caplog: pytest.LogCaptureFixture) -> None:
+    from remat.checkpointing.budget import MemoryBudget
+
+    nested = validate_recipe({"model": {"preset": "tiny-llama"}, "distributed": {"activation_checkpointing": {
+        "mode": "auto", "memory_budget": "40GiB", "max_replans": 1, "loss": "choose"}}})
+    with caplog.at_level("WARNING"):
+        loose = validate_recipe({"model": {"preset": "tiny-llama"}, "distributed": {
+            "activation_checkpointing": "auto", "memory_budget": "40GiB", "max_replans": 1, "planner_loss": "choose"}})
+    assert nested.distributed == loose.distributed
+    auto = nested.distributed.auto
+    assert auto is not None and auto.memory_budget == MemoryBudget(size_bytes=40 * 2**30) and auto.plan is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "distributed.memory_budget: deprecated spelling; write the planner's keys under the policy: "
+        "distributed.activation_checkpointing: {mode: auto, memory_budget: 40GiB, max_replans: 1, loss: choose}"]
+    with pytest.raises(ConfigError, match="'auto' is not planned yet"):
+        nested.distributed.policy
+    again = validate_recipe(nested.model_dump(mode="json", by_alias=True))  # a saved config reads back the same
+    assert again.distributed == nested.distributed
+    assert validate_recipe({"model": {"preset": "tiny-llama"}}).distributed.auto is None
 
 
 def test_a_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:
@@ -196,9 +241,9 @@ def test_validation_keys_need_a_validation_dataset() -> None:
 
 def test_warmup_longer_than_the_run_is_said_once(caplog: pytest.LogCaptureFixture,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from remat.recipes import loader
+    from remat import _logs
 
-    monkeypatch.setattr(loader, "_said", set())
+    monkeypatch.setattr(_logs, "_said", set())
     recipe = with_("lr_scheduler.warmup_steps", 10)
     with caplog.at_level("WARNING", logger="remat.recipes.loader"):
         validate_recipe(recipe)
@@ -254,11 +299,10 @@ def test_a_seed_outside_what_the_generators_take_is_one_line(seed: int) -> None:
 
 def test_a_tile_as_long_as_the_row_is_said(caplog: pytest.LogCaptureFixture) -> None:
     """The long-context example shortened to 1,024 tokens keeps tile_tokens 2048: one tile, nothing tiled."""
+    from remat import _logs
     from remat.recipes.loader import load_recipe
 
-    from remat.recipes import loader
-
-    loader._said.clear()
+    _logs._said.clear()
     example = Path(__file__).resolve().parents[2] / "examples" / "long_context.yaml"
     with caplog.at_level(logging.WARNING, logger="remat"):
         load_recipe(example, ["--dataset.seq_length", "1024"])

@@ -89,16 +89,18 @@ def options(*flags: str) -> LaunchOptions:
     return LaunchOptions.from_namespace(parser.parse_args(list(flags)))
 
 
-def cfg(**distributed: Any) -> Any:
-    return validate_recipe({"model": {"preset": "tiny-llama"}, "distributed": {"strategy": "ddp", **distributed}})
+def cfg(planned: bool = True, **auto: Any) -> Any:
+    setting = {"mode": "auto", **auto} if planned else "full"
+    return validate_recipe({"model": {"preset": "tiny-llama"},
+                            "distributed": {"strategy": "ddp", "activation_checkpointing": setting}})
 
 
 def test_auto_on_several_processes_restarts_up_to_max_replans_unless_told_otherwise() -> None:
-    assert restarts_for_replanning(options("--nproc-per-node", "2"), cfg(), planned=True).max_restarts == 3
-    assert restarts_for_replanning(options("--nproc-per-node", "2"), cfg(max_replans=5), True).max_restarts == 5
-    assert restarts_for_replanning(options("--nproc-per-node", "auto"), cfg(), True).max_restarts == 3
-    for given, recipe, planned in ((options("--nproc-per-node", "2", "--max-restarts", "0"), cfg(), True),
-                                   (options("--nproc-per-node", "2"), cfg(), False),
-                                   (options("--nproc-per-node", "2"), cfg(max_replans=0), True),
-                                   (options("--nproc-per-node", "1"), cfg(), True)):
-        assert restarts_for_replanning(given, recipe, planned) == given
+    assert restarts_for_replanning(options("--nproc-per-node", "2"), cfg()).max_restarts == 3
+    assert restarts_for_replanning(options("--nproc-per-node", "2"), cfg(max_replans=5)).max_restarts == 5
+    assert restarts_for_replanning(options("--nproc-per-node", "auto"), cfg()).max_restarts == 3
+    for given, recipe in ((options("--nproc-per-node", "2", "--max-restarts", "0"), cfg()),
+                          (options("--nproc-per-node", "2"), cfg(planned=False)),
+                          (options("--nproc-per-node", "2"), cfg(max_replans=0)),
+                          (options("--nproc-per-node", "1"), cfg())):
+        assert restarts_for_replanning(given, recipe) == given

@@ -188,7 +188,7 @@ def parse_policy(value: PolicyLike, *, key: str = "policy") -> CheckpointPolicy:
     if isinstance(value, str):
         if value.strip().lower() == AUTO:
             raise ConfigError(f"{key}: 'auto' is chosen by the planner before anything is built: `remat finetune` "
-                              "and `remat plan` resolve it in a recipe (with distributed.memory_budget); in Python "
+                              "and `remat plan` plan it in a recipe (with its memory_budget); in Python "
                               "call remat.plan_activation_checkpointing(...) and pass its plan here")
         return _build(key, **_parse_string(value, key))
     if isinstance(value, Mapping):

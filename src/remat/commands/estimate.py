@@ -169,7 +169,12 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
                               "recipe names its model; dotted recipe overrides need a recipe)")
         from remat.recipes.loader import load_recipe
 
-        model, settings = settings_from_recipe(load_recipe(args.recipe, overrides), **flags)
+        cfg = load_recipe(args.recipe, overrides)
+        if cfg.distributed.auto is not None and "policy" not in flags and not args.compare:
+            raise ConfigError("distributed.activation_checkpointing: 'auto' is planned, not estimated: remat plan "
+                              f"{args.recipe} prints the plan for its budget with its predicted peak; give --policy "
+                              "to estimate one policy")
+        model, settings = settings_from_recipe(cfg, **flags)
         return model, settings
     if overrides:
         raise ConfigError(f"unrecognized arguments: {' '.join(overrides)} (dotted recipe overrides need a recipe)")

@@ -4,11 +4,9 @@ process or in worker processes started by torchrun."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import types
-from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -16,9 +14,6 @@ from pydantic import BaseModel
 NAME = "finetune"
 
 logger = logging.getLogger(__name__)
-
-AUTO_PLANNED_ENV = "REMAT_AUTO_PLANNED"
-"""Set by the launcher for its workers when the recipe asked for ``auto`` (it passes them the chosen policy)."""
 
 DESCRIPTION = """\
 Fine-tune a causal LM from a YAML recipe. Any recipe key can be overridden on the command line with its dotted
@@ -60,7 +55,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.distributed.launch import LaunchOptions
-    from remat.recipes.loader import asks_for_auto, load_recipe_data, validate_recipe
+    from remat.recipes.loader import load_recipe_data, validate_recipe
 
     options = LaunchOptions.from_namespace(args)
     options.check()  # impossible launcher values are refused before anything is read or started
@@ -69,9 +64,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides += ["--model.trust_remote_code", "true"]
     data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
     _check_before_start(data, options)
-    planned = asks_for_auto(data)
-    cfg = None if planned else validate_recipe(data)
-    if cfg is not None and args.print_config:
+    cfg = validate_recipe(data)
+    planned = cfg.distributed.auto is not None
+    if not planned and args.print_config:
         return _print_config(cfg)
 
     from remat.distributed.env import ProcessEnv, check_cuda_devices
@@ -79,12 +74,17 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
     from remat.recipes.run_lock import refuse_if_held, run_directories
 
-    if cfg is None:
-        cfg, overrides = _planned_recipe(args.recipe, overrides, options)
+    if planned:  # planned once: the launcher writes the plan for its workers, which read it (remat.planner.handoff)
+        from remat.distributed.env import under_torchrun
+        from remat.planner.handoff import planned_recipe
+
+        launcher = options.requested and not under_torchrun()
+        world_size = (options.num_processes() if launcher else None) or int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = planned_recipe(cfg, world_size=world_size, writes=launcher or os.environ.get("RANK", "0") == "0")
         if args.print_config:
             return _print_config(cfg)
     if check_launch_environment(options):
-        options = restarts_for_replanning(options, cfg, planned)
+        options = restarts_for_replanning(options, cfg)
         world_size = options.num_processes()
         if world_size is not None:  # say what is wrong once, before any worker starts
             check_parallel_layout(cfg, world_size)
@@ -98,8 +98,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
                 overrides = restart_before_launch(cfg, options.node_rank, overrides)
             worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
-            with _workers_told_auto(planned):
-                return launch(options, worker)
+            return launch(options, worker)
     process = ProcessEnv.from_environ()
     if process.launched:  # a kill -9 of the launcher must not leave this worker running
         from remat.distributed.launch import stop_with_launcher
@@ -115,8 +114,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     check_in_worker(cfg, local_ranks=process.local_world_size, world_size=process.world_size)
     from remat.recipes.shipped import find_recipe
 
-    recipe = FinetuneRecipe(cfg, replanner=_run_time_replanner(cfg, process.world_size)
-                            if planned or os.environ.get(AUTO_PLANNED_ENV) == "1" else None,
+    recipe = FinetuneRecipe(cfg, replanner=_run_time_replanner(cfg, process.world_size) if planned else None,
                             source=find_recipe(args.recipe))
     try:
         result = recipe.run()
@@ -159,51 +157,39 @@ def _check_before_start(data: dict[str, Any], options: Any) -> None:
             check_paths_exist(section, key)
     world_size = options.num_processes()
     dist = data.get("distributed", {})
-    if isinstance(dist, dict) and dist.get("device") == "cpu" and dist.get("memory_budget") is None:
-        from remat.planner.budget import parse_budget
-        from remat.recipes.loader import asks_for_auto
+    if isinstance(dist, dict) and dist.get("device") == "cpu":
+        setting = dist.get("activation_checkpointing")
+        auto = {"mode": setting} if isinstance(setting, str) else setting
+        if isinstance(auto, dict) and str(auto.get("mode")).strip().lower() == "auto":
+            from remat.checkpointing.budget import parse_budget
 
-        if asks_for_auto(data):  # planning for the CPU needs a budget: said now, not after measuring the blocks
-            parse_budget(None, device_bytes=None, key="distributed.memory_budget")
+            budget = auto.get("memory_budget", dist.get("memory_budget"))
+            if budget is None:  # planning for the CPU needs a budget: said now, not after measuring the blocks
+                parse_budget(None, device_bytes=None, key="distributed.activation_checkpointing.memory_budget")
     if options.requested and world_size is not None and "LOCAL_RANK" not in os.environ and isinstance(dist, dict):
         sizes = {name: dist[name] for name in ("strategy", "dp_size", "tp_size", "cp_size") if name in dist}
         validate_settings(**sizes, world_size=world_size)
 
 
-def restarts_for_replanning(options: Any, cfg: Any, planned: bool) -> Any:
-    """`options` with ``--max-restarts`` set to ``distributed.max_replans`` for an ``auto`` recipe on several
-    processes that did not give it: an out-of-memory error on one rank is re-planned after torchrun restarts the
-    workers (`remat.recipes.training_state.oom_notes`). Given explicitly (0 included), it is kept."""
+def restarts_for_replanning(options: Any, cfg: Any) -> Any:
+    """`options` with ``--max-restarts`` set to ``max_replans`` for an ``auto`` recipe on several processes that did
+    not give it: an out-of-memory error on one rank is re-planned after torchrun restarts the workers
+    (`remat.recipes.training_state.oom_notes`). Given explicitly (0 included), it is kept."""
     import dataclasses
 
+    auto = cfg.distributed.auto
     processes = options.num_processes()
-    if not planned or options.max_restarts is not None or cfg.distributed.max_replans == 0 or processes == 1:
+    if auto is None or options.max_restarts is not None or auto.max_replans == 0 or processes == 1:
         return options
-    logger.info("activation checkpointing 'auto' on several processes: --max-restarts %d (distributed.max_replans), "
-                "so that an out-of-memory error on one rank is re-planned after a restart; give --max-restarts to "
-                "choose otherwise", cfg.distributed.max_replans)
-    return dataclasses.replace(options, max_restarts=cfg.distributed.max_replans)
-
-
-@contextlib.contextmanager
-def _workers_told_auto(planned: bool) -> Iterator[None]:
-    """While launching: tell the workers (through their environment) that the policy they get as an override was
-    planned from ``auto``, so they may re-plan it; this process's environment is left as it was."""
-    before = os.environ.get(AUTO_PLANNED_ENV)
-    if planned:
-        os.environ[AUTO_PLANNED_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(AUTO_PLANNED_ENV, None)
-        else:
-            os.environ[AUTO_PLANNED_ENV] = before
+    logger.info("activation checkpointing 'auto' on several processes: --max-restarts %d (max_replans), so that an "
+                "out-of-memory error on one rank is re-planned after a restart; give --max-restarts to choose "
+                "otherwise", auto.max_replans)
+    return dataclasses.replace(options, max_restarts=auto.max_replans)
 
 
 def _run_time_replanner(cfg: Any, world_size: int) -> Any:
-    """The re-planner of an ``auto`` run (`remat.planner.adapt`), or None with ``distributed.max_replans: 0``."""
-    if cfg.distributed.max_replans == 0:
+    """The re-planner of an ``auto`` run (`remat.planner.adapt`), or None with ``max_replans: 0``."""
+    if cfg.distributed.auto.max_replans == 0:
         return None
     from remat.planner.adapt import adapter_for_recipe
 
@@ -249,25 +235,6 @@ def restart_before_launch(cfg: Any, node_rank: int | None, overrides: list[str])
     return [*overrides, "--checkpoint.resume", "auto"]
 
 
-def _planned_recipe(path: str, overrides: list[str], options: Any) -> tuple[Any, list[str]]:
-    """The recipe, with ``distributed.activation_checkpointing: auto`` resolved by the planner into a per-layer
-    policy (planned once, here; worker processes get the chosen policy as an override), and the overrides."""
-    import json
-    import os
-
-    from remat.planner import load_planned_recipe
-
-    world_size = options.num_processes() if options.requested else int(os.environ.get("WORLD_SIZE", "1"))
-    cfg, plan = load_planned_recipe(path, overrides, world_size=world_size)
-    if plan is None:
-        return cfg, overrides
-    logger.info("activation checkpointing 'auto' planned for %.2f GiB:\n%s", plan.budget_bytes / 2**30,
-                plan.table(candidates=False))
-    chosen = ["--loss_fn", json.dumps(cfg.loss_fn.model_dump(mode="json", by_alias=True))]  # planner_loss: choose
-    return cfg, [*overrides, "--distributed.activation_checkpointing", json.dumps(plan.policy.to_dict()),
-                 *(chosen if cfg.distributed.planner_loss == "choose" else [])]
-
-
 def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:
     """One line per recipe key: dotted name, type and default (read from the pydantic schema)."""
     lines = []
@@ -281,6 +248,10 @@ def schema_lines(model: type[BaseModel], prefix: str = "") -> list[str]:
             continue
         default = "required" if info.is_required() else f"default {_show(info.get_default(call_default_factory=True))}"
         lines.append(f"  {key}  [{type_label(info.annotation)}]  {default}")
+        auto = _models_in(info.annotation)
+        if auto:  # activation_checkpointing: the planner's keys, read with mode auto
+            lines.extend(f"{line}  (with auto)" for line in schema_lines(auto[0], key + ".")
+                         if not line.split()[0].endswith((".mode", ".plan")))
         if model.model_config.get("extra") == "allow" and name == "target":
             lines.append(f"  {prefix}<argument>  other keys are keyword arguments of the _target_")
     return lines
@@ -295,6 +266,10 @@ def type_label(annotation: Any) -> str:
     origin, args = get_origin(annotation), get_args(annotation)
     if annotation is CheckpointPolicy:
         return f"true | false | {' | '.join(POLICY_STRINGS)} | a mapping (see docs/recipes.md)"
+    if getattr(annotation, "__name__", "") == "MemoryBudget":
+        return "bytes | a size such as 40GiB | a fraction of the device's memory in (0, 1] | null: the device's less 10%"
+    if _models_in(annotation):  # the policy or auto
+        return f"true | false | {' | '.join(POLICY_STRINGS)} | auto | a mapping (see docs/recipes.md)"
     if origin is Literal:
         return "one of " + " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
     if origin is Annotated:
@@ -315,11 +290,25 @@ def type_label(annotation: Any) -> str:
 def _show(default: Any) -> str:
     if default is None or isinstance(default, bool):  # as YAML writes them
         return {None: "null", True: "true", False: "false"}[default]
+    to_value = getattr(default, "to_value", None)
+    if callable(to_value):  # a MemoryBudget
+        return _show(to_value())
     to_dict = getattr(default, "to_dict", None)
     if callable(to_dict):  # a CheckpointPolicy: the spelling a recipe would use
         value = to_dict()
         return repr(value.get("mode", value) if len(value) == 1 else value)
     return repr(default)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models inside a union of a model with other types (``activation_checkpointing``: auto or a policy)."""
+    from typing import get_args
+
+    args = get_args(annotation)
+    if not args:
+        return []
+    found = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return found + [m for a in args if not isinstance(a, type) for m in _models_in(a)]
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:

@@ -40,7 +40,7 @@ def check_offload_host_memory(cfg: Any, *, local_ranks: int, world_size: int,
     """Raise `ConfigError` when the offloaded activations of ``cfg`` (a `RecipeConfig`) on ``local_ranks`` ranks
     of this node need more host memory than is ``available`` (default: read now); return the bytes needed per node
     (0 when nothing is offloaded), logged when it fits."""
-    if not offloads(cfg.distributed.activation_checkpointing) or not _offloads_from_a_gpu(cfg.distributed.device):
+    if not offloads(cfg.distributed.policy) or not _offloads_from_a_gpu(cfg.distributed.device):
         return 0
     from remat.estimate.api import estimate_memory, settings_from_recipe
 

@@ -19,12 +19,12 @@ is priced by the memory estimate (`remat estimate`), no GPU needed.
   remat plan examples/llama_3_2_1b_seed.yaml --budget 80GiB --budget 40GiB --budget 20GiB --budget 12GiB
   remat plan recipe.yaml --budget 0.8 --json plan.json --png plan.png     (0.8 of this GPU's memory)
 A budget is bytes, a size (40GiB, 24GB) or a fraction of the GPU's memory; without --budget, the recipe's
-distributed.memory_budget, else the GPU's memory minus a margin. The budget is per rank. The printout gives the
+activation_checkpointing.memory_budget, else the GPU's memory minus a margin. The budget is per rank. The printout gives the
 frontier (uniform policies with their predicted peak and recompute), then per budget the plan: per block the mode,
 bytes kept and saved and FLOPs recomputed, the predicted peak and the recompute overhead. See docs/planner.md.
 Recompute seconds are FLOPs at a throughput: --flops-per-second, or one measured on this device by
 `remat profile RECIPE --write-calibration cal.json` and given as --calibration cal.json (or the recipe's
-distributed.planner_calibration).
+activation_checkpointing.calibration).
 Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
 """
 
@@ -49,11 +49,11 @@ def register(subparsers: Any) -> None:
                         help="throughput recompute is priced at (default: 4e14 for cuda, 5e10 for cpu)")
     parser.add_argument("--calibration", metavar="PATH",
                         help="price recompute at the throughput measured by `remat profile --write-calibration PATH` "
-                             "(default: the recipe's distributed.planner_calibration, else the default above)")
+                             "(default: the recipe's activation_checkpointing.calibration, else the default above)")
     parser.add_argument("--loss-choice", choices=("keep", "choose"),
                         help="choose: plan for the plain and the fused loss and keep the faster plan that fits (its "
                              "note names the loss); keep: the recipe's loss (default: the recipe's "
-                             "distributed.planner_loss, else keep)")
+                             "activation_checkpointing.loss, else keep)")
     parser.add_argument("--json", metavar="PATH", help="write the frontier and every budget's plan as JSON")
     parser.add_argument("--png", metavar="PATH", help="write a chart of predicted peak against recompute")
 
@@ -65,22 +65,22 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         loss_chooser_for_recipe,
         planner_for_recipe,
         recipe_budget,
-        recipe_for_planning,
     )
     from remat.planner.report import BudgetAnswer, plot_plans, report_dict, report_text
-    from remat.recipes.loader import load_recipe_data
+    from remat.recipes.loader import load_recipe
 
     from remat.recipes.output_paths import check_output_file
 
     for flag, value in (("--json", args.json), ("--png", args.png)):
         if value:
             check_output_file(Path(value), flag)
-    cfg = recipe_for_planning(load_recipe_data(args.recipe, overrides))
+    cfg = load_recipe(args.recipe, overrides)
     target = args.target or default_target(cfg.distributed.device)  # one rule with remat finetune and Python
     budgets = [recipe_budget(cfg, budget, target, key="--budget") for budget in (args.budget or [None])]
     options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}
     options["flops_per_second"] = _flops_per_second(args, target)
-    if (args.loss_choice or cfg.distributed.planner_loss) == "choose":
+    own_choice = cfg.distributed.auto.loss if cfg.distributed.auto is not None else "keep"
+    if (args.loss_choice or own_choice) == "choose":
         chooser = loss_chooser_for_recipe(cfg, target=target, **options)
         planner = chooser.planner(chooser.own_loss)
     else:

@@ -20,13 +20,13 @@ counted step FLOPs side by side, with ratios to `none`:
   remat profile recipe.yaml --policies none,selective,full --write-calibration calibration.json
 Settings are the spellings of distributed.activation_checkpointing (none, full, selective, attention, mlp, offload,
 sqrt, true, false, or a mapping such as '{mode: full, every_n_layers: 2}') and auto, which is planned for each --budget (labelled auto@20GiB; without --budget, the
-recipe's distributed.memory_budget). The first step of each setting is a warm-up: its FLOPs are counted (torch's
+recipe's activation_checkpointing.memory_budget). The first step of each setting is a warm-up: its FLOPs are counted (torch's
 FLOP counter) and it is left out of the medians and peaks, as are further --warmup steps. Peak memory is the
 largest step peak (CUDA: max_memory_allocated reset before each step; CPU: the exact tracked peak of live tensors).
 --rounds N runs the whole list N times in turn (medians over all rounds): on a shared machine, whose speed drifts,
 each setting then meets the drift alike.
 --write-calibration fits the throughput the planner prices recompute at (extra step time over `none` against the
-extra FLOPs counted) and writes it for `remat plan --calibration PATH` and distributed.planner_calibration.
+extra FLOPs counted) and writes it for `remat plan --calibration PATH` and activation_checkpointing.calibration.
 One process: for a ddp / fsdp2 recipe, profile one rank's shape (--distributed.strategy single ...).
 Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4). See docs/planner.md.
 """

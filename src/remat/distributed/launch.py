@@ -113,7 +113,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, metavar="K",
                        help="restart the workers up to K times on failure (resume: auto continues from the latest "
                             "checkpoint). Default 0, except under activation_checkpointing: auto on several "
-                            "processes: distributed.max_replans, so that an out-of-memory error on one rank is "
+                            "processes: activation_checkpointing.max_replans, so that an out-of-memory error on one rank is "
                             "re-planned after a restart")
 
 

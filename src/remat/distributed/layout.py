@@ -32,14 +32,19 @@ def validate_settings(strategy: str = "single", activation_checkpointing: Any = 
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
         raise ConfigError(f"distributed.mixed_precision: got {mixed_precision!r}; allowed: null, "
                           f"{', '.join(MIXED_PRECISION)}")
+    check_strategy_rules(strategy, dp_size, tp_size, cp_size, mixed_precision, cpu_offload)
+    return world_layout(strategy, dp_size, tp_size, cp_size, world_size=world_size)
+
+
+def check_strategy_rules(strategy: str, dp_size: int | None, tp_size: int, cp_size: int, mixed_precision: str | None,
+                         cpu_offload: bool) -> None:
+    """The rules between the keys of a ``distributed`` section that hold whatever the number of processes (the
+    recipe's schema checks them when it is validated; `DistributedSetup.build` for Python callers)."""
     if strategy == "single":
-        if world_size != 1:
-            raise ConfigError(
-                f"distributed.strategy: 'single' runs one process, but the launch has {world_size} (WORLD_SIZE="
-                f"{world_size}); allowed for several processes: 'ddp' or 'fsdp2'")
         for name, value in (("dp_size", dp_size or 1), ("tp_size", tp_size), ("cp_size", cp_size)):
             if value != 1:
-                raise ConfigError(f"distributed.{name}: {value} needs several processes; strategy 'single' runs one")
+                raise ConfigError(f"distributed.{name}: {value} needs strategy 'ddp' or 'fsdp2' (strategy 'single' "
+                                  "runs one process)")
     if strategy != "fsdp2":
         for name, value, allowed in (("mixed_precision", mixed_precision, "null (use model.autocast)"),
                                      ("cpu_offload", cpu_offload, "false"), ("tp_size", tp_size, "1")):
@@ -49,6 +54,15 @@ def validate_settings(strategy: str = "single", activation_checkpointing: Any = 
     if cp_size != 1:
         raise ConfigError(f"distributed.cp_size: got {cp_size}; context parallelism is not supported by remat yet "
                           "(allowed: 1)")
+
+
+def world_layout(strategy: str, dp_size: int | None, tp_size: int, cp_size: int, *, world_size: int) -> int:
+    """The data-parallel size of a ``distributed`` section whose keys are valid (`check_strategy_rules`) on
+    ``world_size`` processes; `ConfigError` naming the key when the sizes do not fit that many."""
+    if strategy == "single" and world_size != 1:
+        raise ConfigError(
+            f"distributed.strategy: 'single' runs one process, but the launch has {world_size} (WORLD_SIZE="
+            f"{world_size}); allowed for several processes: 'ddp' or 'fsdp2'")
     dp = dp_size if dp_size is not None else max(world_size // (tp_size * cp_size), 1)
     if dp * tp_size * cp_size != world_size:
         raise ConfigError(

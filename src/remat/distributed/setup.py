@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remat.checkpointing.policy import PolicyLike
 from remat.checkpointing import (CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy,
                                  planned_policy, remove_activation_checkpointing)
 from remat.distributed.choices import Strategy
@@ -50,7 +51,7 @@ class DistributedSetup:
     """
 
     strategy: Strategy = "single"
-    activation_checkpointing: Any = False
+    activation_checkpointing: PolicyLike = False
     dp_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
@@ -75,13 +76,14 @@ class DistributedSetup:
     def build(
         cls,
         strategy: Strategy = "single",
-        activation_checkpointing: Any = False,
+        activation_checkpointing: PolicyLike = False,
         dp_size: int | None = None,
         tp_size: int = 1,
         cp_size: int = 1,
         mixed_precision: str | None = None,
         cpu_offload: bool = False,
         *,
+        planned: bool = False,
         fsdp_reduce_every_micro_batch: bool = True,
         device: str | torch.device | None = "auto",
         init_timeout_s: float = INIT_TIMEOUT_S,
@@ -102,6 +104,7 @@ class DistributedSetup:
         ``init_timeout_s``: joining the process group and building the mesh must finish within this many seconds
         (a `DistributedSetupError` naming the ranks, or a watchdog ending the process shortly after);
         ``timeout_s``: the collectives' limit afterwards (None: torch's default, 30 min gloo / 10 min NCCL).
+        ``planned``: ``activation_checkpointing`` is the planner's choice (a recipe's ``auto``).
         """
         check_timeouts(init_timeout_s, timeout_s)
         env = ProcessEnv.from_environ()
@@ -110,7 +113,7 @@ class DistributedSetup:
         resolved = resolve_device(device, env)
         setup = cls(strategy=strategy, activation_checkpointing=activation_checkpointing, dp_size=dp,
                     tp_size=tp_size, cp_size=cp_size, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                    fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch, rank=env.rank,
+                    fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch, planned=planned, rank=env.rank,
                     local_rank=env.local_rank, world_size=env.world_size, device=resolved)
         if strategy != "single":
             late = setup_failure(env.rank, env.world_size, init_timeout_s, "still waiting (setup watchdog)")

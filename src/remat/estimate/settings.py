@@ -134,7 +134,7 @@ class StepSettings:
         loss = short.get(cfg.loss_fn.target, cfg.loss_fn.target)
         settings = cls(
             batch_size=sched.local_batch_size, seq_length=cfg.dataset.seq_length, dtype=cfg.model.dtype,
-            autocast=cfg.model.autocast, policy=_policy_value(d.activation_checkpointing), loss=loss,
+            autocast=cfg.model.autocast, policy=_policy_value(d.policy if d.auto is None else d.auto.plan), loss=loss,
             loss_kwargs=dict(cfg.loss_fn.kwargs), optimizer=cfg.optimizer.target,
             optimizer_kwargs=dict(cfg.optimizer.kwargs), clip_grad_norm=cfg.clip_grad_norm.max_norm,
             strategy=d.strategy, world_size=world_size, mixed_precision=d.mixed_precision,
@@ -150,8 +150,11 @@ class StepSettings:
         return dataclasses.replace(settings, **options)
 
 
-def _policy_value(policy: CheckpointPolicy) -> Any:
-    """The shortest spelling of ``policy`` (``"full"`` rather than ``{"mode": "full"}``), for reports."""
+def _policy_value(policy: CheckpointPolicy | None) -> Any:
+    """The shortest spelling of ``policy`` (``"full"`` rather than ``{"mode": "full"}``), for reports; ``none`` for
+    an ``auto`` not planned yet (the planner prices every policy itself)."""
+    if policy is None:
+        return "none"
     spelled = policy.to_dict()
     return spelled["mode"] if list(spelled) == ["mode"] else spelled
 

@@ -47,7 +47,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from remat.data import IGNORE_INDEX
-from remat.distributed import DistributedSetup, validate_settings
+from remat.distributed import DistributedSetup
+from remat.distributed.layout import world_layout
 from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
 from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
@@ -284,7 +285,7 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
 def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     """Raise `ConfigError` naming the key when ``recipe`` on ``run`` is something the estimate does not model;
     return the gradient-accumulation steps. The ``distributed`` section is checked by its own validator
-    (`remat.distributed.validate_settings`) against ``run.world_size``."""
+    (`remat.distributed.layout.world_layout`) against ``run.world_size``."""
     if run.target not in TARGETS:
         raise ConfigError(f"target: got {run.target!r}; allowed: {', '.join(TARGETS)}")
     d = recipe.distributed
@@ -292,8 +293,7 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
         if getattr(d, name) != 1:
             raise ConfigError(f"distributed.{name}: {getattr(d, name)} is not modelled by the estimate; "
                               "allowed: 1 (data parallelism only)")
-    validate_settings(d.strategy, d.activation_checkpointing, d.dp_size, d.tp_size, d.cp_size, d.mixed_precision,
-                      d.cpu_offload, d.fsdp_reduce_every_micro_batch, world_size=run.world_size)
+    world_layout(d.strategy, d.dp_size, d.tp_size, d.cp_size, world_size=run.world_size)
     if d.cpu_offload:
         raise ConfigError("distributed.cpu_offload: true keeps FSDP2's state in host memory, which the estimate does "
                           "not model; allowed: false")
@@ -318,7 +318,7 @@ def simulation_setup(recipe: RecipeConfig, world_size: int, *, mesh: Any = None,
     over ``mesh`` (a fake process group's); DDP is simulated without its wrapper (see the module docstring)."""
     d = recipe.distributed
     return DistributedSetup(strategy="single" if d.strategy == "ddp" else d.strategy,
-                            activation_checkpointing=d.activation_checkpointing, dp_size=world_size,
+                            activation_checkpointing=d.policy, planned=d.auto is not None, dp_size=world_size,
                             world_size=world_size, mixed_precision=d.mixed_precision,
                             fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch,
                             device=device or torch.device("cpu"), mesh=mesh)

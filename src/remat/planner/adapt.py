@@ -31,11 +31,11 @@ import torch.distributed as dist
 
 from remat.checkpointing import CheckpointPolicy, parse_policy
 from remat.errors import ConfigError
-from remat.planner.api import _POLICY_KEY, default_target, planner_for_recipe, recipe_budget
+from remat.planner.api import default_target, planner_for_recipe, recipe_budget
 from remat.planner.planner import Planner
 from remat.planner.relax import forward_backward_peak, relaxed_plan
 from remat.recipes.config import RecipeConfig
-from remat.recipes.loader import apply_overrides, validate_recipe
+from remat.recipes.loader import validate_recipe
 from remat.recipes.relax import Stretch
 from remat.recipes.replan import Overshoot, Replan, size
 
@@ -67,7 +67,7 @@ class PlanAdapter:
 
     @property
     def budget_bytes(self) -> int:
-        """The budget every step must fit (the recipe's ``distributed.memory_budget``, in bytes)."""
+        """The budget every step must fit (the recipe's ``activation_checkpointing.memory_budget``, in bytes)."""
         return self._budget
 
     @property
@@ -158,14 +158,13 @@ class PlanAdapter:
 
 
 def adapter_for_recipe(cfg: RecipeConfig, *, world_size: int = 1) -> PlanAdapter:
-    """The `PlanAdapter` of a recipe whose ``auto`` was resolved into ``cfg``'s policy (the policy applied at
-    start), for ``distributed.memory_budget`` on ``world_size`` processes, as `load_planned_recipe` planned it."""
+    """The `PlanAdapter` of a recipe whose ``auto`` was planned (`plan_recipe_auto`; its plan is the policy applied
+    at start), for its ``memory_budget`` on ``world_size`` processes."""
     data = cfg.model_dump(mode="json", by_alias=True)
-    probe = validate_recipe(apply_overrides(data, [(_POLICY_KEY, "none")]))
     target = default_target(cfg.distributed.device)
-    options = {"world_size": world_size} if world_size > 1 and probe.distributed.strategy != "single" else {}
-    return PlanAdapter(lambda: planner_for_recipe(probe, target=target, **options),
-                       budget_bytes=recipe_budget(probe, None, target), policy=cfg.distributed.activation_checkpointing,
+    options = {"world_size": world_size} if world_size > 1 and cfg.distributed.strategy != "single" else {}
+    return PlanAdapter(lambda: planner_for_recipe(cfg, target=target, **options),
+                       budget_bytes=recipe_budget(cfg, None, target), policy=cfg.distributed.policy,
                        child=(data, world_size))
 
 

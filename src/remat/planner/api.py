@@ -1,11 +1,11 @@
-"""Entry points: `plan_activation_checkpointing` (Python), `plan_recipe` / `load_planned_recipe` (recipes with
-``distributed.activation_checkpointing: auto``, resolved before the recipe is validated and built)."""
+"""Entry points: `plan_activation_checkpointing` (Python), `plan_recipe` / `plan_recipe_auto` (recipes with
+``distributed.activation_checkpointing: auto``, planned after the recipe is validated and before it is built)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +15,17 @@ from torch import nn
 from remat.errors import ConfigError
 from remat.estimate.api import ModelLike, resolve_model, settings_from_recipe
 from remat.estimate.settings import StepSettings
-from remat.planner.budget import BudgetLike, parse_budget
+from remat.checkpointing.budget import BudgetLike, MemoryBudget, parse_budget
 from remat.planner.calibration import calibrated_flops_per_second
 from remat.planner.loss_choice import LossChooser, check_loss_choice, recipe_loss_fn
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.recipes.config import RecipeConfig
-from remat.recipes.loader import apply_overrides, asks_for_auto, load_recipe_data, validate_recipe
+from remat.recipes.loader import load_recipe, with_loss
 
 logger = logging.getLogger(__name__)
 
-_POLICY_KEY = "distributed.activation_checkpointing"
+_BUDGET_KEY = "distributed.activation_checkpointing.memory_budget"
 
 
 def plan_activation_checkpointing(
@@ -57,7 +57,7 @@ def plan_activation_checkpointing(
     check_loss_choice(loss_choice)
     settings.update(_batch_shape(example_batch))
     if isinstance(model_or_recipe, (str, Path)) and Path(model_or_recipe).suffix in (".yaml", ".yml"):
-        model_or_recipe = recipe_for_planning(load_recipe_data(model_or_recipe))
+        model_or_recipe = load_recipe(model_or_recipe)
     if isinstance(model_or_recipe, RecipeConfig):
         return plan_recipe(model_or_recipe, budget=memory_budget, target=target, flops_per_second=flops_per_second,
                            all_candidates=all_candidates, loss_choice=loss_choice, **settings)
@@ -76,29 +76,29 @@ def plan_activation_checkpointing(
     return Planner(model, step, flops_per_second).plan(budget, all_candidates=all_candidates)
 
 
-def load_planned_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = (), *,
-                        world_size: int | None = None) -> tuple[RecipeConfig, ActivationPlan | None]:
-    """Load a recipe like `remat.recipes.loader.load_recipe`; when its ``distributed.activation_checkpointing`` is
-    ``auto``, plan it for ``distributed.memory_budget`` (``world_size``: the processes the launch will start, for a
-    recipe without ``distributed.dp_size``) and return the recipe with the chosen per-layer policy, and the plan."""
-    data = load_recipe_data(path, overrides)
-    if not asks_for_auto(data):
-        return validate_recipe(data), None
-    probe = recipe_for_planning(data)
-    options = {"world_size": world_size} if world_size and probe.distributed.strategy != "single" else {}
-    plan = plan_recipe(probe, loss_choice=probe.distributed.planner_loss, **options)
-    resolved = apply_overrides(data, [(_POLICY_KEY, plan.policy.to_dict())])
-    if probe.distributed.planner_loss == "choose":
-        loss_fn = recipe_loss_fn(probe.loss_fn.target, probe.loss_fn.kwargs, plan.loss)
-        resolved = {**resolved, "loss_fn": loss_fn}
-    return validate_recipe(resolved), plan
+def plan_recipe_auto(cfg: RecipeConfig, *, world_size: int | None = None) -> tuple[RecipeConfig, ActivationPlan]:
+    """Plan a recipe's ``activation_checkpointing: auto`` (`remat.recipes.config.AutoCheckpointing`) for its
+    ``memory_budget`` (``world_size``: the processes the launch will start, for a recipe without
+    ``distributed.dp_size``); returns the recipe with the plan filled in (and, with ``loss: choose``, the loss the
+    planner chose), and the plan. The recipe is copied, not validated again."""
+    auto = cfg.distributed.auto
+    if auto is None:
+        raise ConfigError(f"distributed.activation_checkpointing: got {cfg.distributed.policy.describe()!r}; "
+                          "plan_recipe_auto plans a recipe with activation_checkpointing: auto")
+    options = {"world_size": world_size} if world_size and cfg.distributed.strategy != "single" else {}
+    plan = plan_recipe(cfg, loss_choice=auto.loss, **options)
+    planned = cfg.with_checkpointing(auto.planned(plan.policy))
+    if auto.loss == "choose":
+        loss_fn = recipe_loss_fn(cfg.loss_fn.target, cfg.loss_fn.kwargs, plan.loss)
+        planned = with_loss(planned, loss_fn)
+    return planned, plan
 
 
 def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | None = None,
                 flops_per_second: float | None = None, all_candidates: bool = False, loss_choice: str = "keep",
                 **settings: Any) -> ActivationPlan:
     """The plan for the step ``cfg`` trains (its policy ignored) under ``budget`` (default: the recipe's
-    ``distributed.memory_budget``); ``loss_choice="choose"`` also chooses the loss (`loss_chooser_for_recipe`)."""
+    ``activation_checkpointing.memory_budget``); ``loss_choice="choose"`` also chooses the loss (`loss_chooser_for_recipe`)."""
     target = target or default_target(cfg.distributed.device)
     if check_loss_choice(loss_choice) == "choose":
         planner: Planner | LossChooser = loss_chooser_for_recipe(cfg, target=target,
@@ -119,23 +119,25 @@ def planner_for_recipe(cfg: RecipeConfig, *, target: str | None = None, flops_pe
                        **settings: Any) -> Planner:
     """A `Planner` for the step ``cfg`` trains on ``target`` (default: the device the recipe would train on).
     Recompute is priced at ``flops_per_second``, else at the throughput in the recipe's
-    ``distributed.planner_calibration`` (`remat.planner.calibration`), else at the target's default."""
+    ``activation_checkpointing.calibration`` (`remat.planner.calibration`), else at the target's default."""
     target = target or default_target(cfg.distributed.device)
-    if flops_per_second is None and cfg.distributed.planner_calibration is not None:
-        flops_per_second = calibrated_flops_per_second(cfg.distributed.planner_calibration, target,
-                                                       key="distributed.planner_calibration")
-        logger.info("planner: recompute priced at %.3g FLOP/s from %s", flops_per_second,
-                    cfg.distributed.planner_calibration)
+    calibration = cfg.distributed.auto.calibration if cfg.distributed.auto is not None else None
+    if flops_per_second is None and calibration is not None:
+        flops_per_second = calibrated_flops_per_second(calibration, target,
+                                                       key="distributed.activation_checkpointing.calibration")
+        logger.info("planner: recompute priced at %.3g FLOP/s from %s", flops_per_second, calibration)
     model, step = settings_from_recipe(cfg, target=target, **settings)
     return Planner(model, step, flops_per_second)
 
 
 def recipe_budget(cfg: RecipeConfig, budget: BudgetLike, target: str, *, key: str = "memory_budget") -> int:
-    """``budget`` (or the recipe's ``distributed.memory_budget``) in bytes for ``target``; an error names ``key``
+    """``budget`` (or the recipe's ``activation_checkpointing.memory_budget``) in bytes for ``target``; an error names ``key``
     (how the caller spelled the budget: ``memory_budget=``, ``--budget``) or the recipe key."""
-    value = budget if budget is not None else cfg.distributed.memory_budget
-    key = key if budget is not None else "distributed.memory_budget"
-    return parse_budget(value, device_bytes=device_bytes(target), key=key)
+    auto = cfg.distributed.auto
+    if budget is None:
+        return (auto.memory_budget if auto is not None else MemoryBudget()).resolve(device_bytes(target),
+                                                                                  key=_BUDGET_KEY)
+    return parse_budget(budget, device_bytes=device_bytes(target), key=key)
 
 
 def default_target(device: str) -> str:
@@ -150,11 +152,6 @@ def device_bytes(target: str) -> int | None:
     if target != "cuda" or not torch.cuda.is_available():
         return None
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-
-
-def recipe_for_planning(data: Mapping[str, Any]) -> RecipeConfig:
-    """The recipe validated with ``auto`` replaced by ``none`` (the planner prices every policy itself)."""
-    return validate_recipe(apply_overrides(dict(data), [(_POLICY_KEY, "none")]) if asks_for_auto(data) else data)
 
 
 def _batch_shape(example_batch: torch.Tensor | Mapping[str, torch.Tensor] | None) -> dict[str, int]:

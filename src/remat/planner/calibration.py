@@ -1,5 +1,5 @@
 """The device throughput the planner prices recompute at, measured by `remat profile` and read back by `remat plan
---calibration PATH` and a recipe's ``distributed.planner_calibration``.
+--calibration PATH` and a recipe's ``activation_checkpointing.calibration``.
 
 The planner predicts a plan's recompute time as its counted recompute FLOPs divided by ``flops_per_second``
 (`remat.planner.planner.DEFAULT_FLOPS_PER_SECOND` without a calibration). `fit_flops_per_second` fits that number

@@ -1,4 +1,4 @@
-"""The planner choosing the loss: with ``distributed.planner_loss: choose`` (``loss_choice="choose"`` in Python,
+"""The planner choosing the loss: with ``activation_checkpointing.loss: choose`` (``loss_choice="choose"`` in Python,
 ``remat plan --loss-choice choose``), the step is planned for the plain loss (`remat.loss.MaskedCrossEntropy`, the
 logits held) and the fused loss (`remat.loss.FusedLinearCrossEntropy`, never holding them) under the same budget,
 and the faster plan that fits wins.
@@ -38,7 +38,7 @@ from remat.recipes.build import build_loss
 LOSS_CHOICES: Final[tuple[str, ...]] = ("keep", "choose")
 """``keep``: plan for the recipe's own loss; ``choose``: plan for the plain and the fused loss, keep the faster."""
 
-_KEY = "distributed.planner_loss"
+_KEY = "distributed.activation_checkpointing.loss"
 
 
 def check_loss_choice(value: object, key: str = "loss_choice") -> str:

@@ -117,8 +117,8 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
-    if recipe.distributed.activation_checkpointing.block_pattern is not None:
-        search = find_blocks(net, recipe.distributed.activation_checkpointing.block_pattern)
+    if recipe.distributed.policy.block_pattern is not None:
+        search = find_blocks(net, recipe.distributed.policy.block_pattern)
     else:
         search = find_blocks(net)
     groups = _group_blocks(search.blocks)

@@ -25,7 +25,7 @@ BASELINE = "none"
 @dataclass(frozen=True)
 class Setting:
     """One column of the comparison: a concrete ``policy``, or ``auto`` planned for ``budget`` (the text given:
-    ``20GiB``, ``0.8``; None: the recipe's ``distributed.memory_budget``)."""
+    ``20GiB``, ``0.8``; None: the recipe's ``activation_checkpointing.memory_budget``)."""
 
     label: str
     policy: CheckpointPolicy | None = None

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from remat.checkpointing.policy import parse_policy
 from remat.errors import ConfigError
-from remat.planner.api import default_target, device_bytes, planner_for_recipe, recipe_budget, recipe_for_planning
-from remat.planner.budget import parse_budget
+from remat.planner.api import default_target, device_bytes, planner_for_recipe, recipe_budget
+from remat.checkpointing.budget import parse_budget
 from remat.planner.measure import FLOP_FORMULAS
 from remat.planner.planner import Planner
 from remat.planner.profile import PlanSummary, ProfileReport, Setting, SettingResult
@@ -37,8 +38,6 @@ from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import apply_overrides, validate_recipe
 
 logger = logging.getLogger(__name__)
-
-POLICY_KEY = "distributed.activation_checkpointing"
 
 #: Recipe keys every setting runs with: no checkpoints, validation, metrics file or trackers; memory per step from
 #: the allocator (CUDA) or the exact tensor tracker (CPU), never the process RSS (see the module docstring).
@@ -63,7 +62,7 @@ def profile_recipe(data: Mapping[str, Any], settings: Sequence[Setting], *, reci
     if rounds < 1:
         raise ConfigError(f"--rounds: got {rounds}; allowed: an integer >= 1")
     base = apply_overrides(dict(data), [*RUN_OVERRIDES, ("step_scheduler.max_steps", steps)])
-    probe = recipe_for_planning(base)
+    probe = validate_recipe(base)
     target = default_target(probe.distributed.device)
     results = _plan_settings(settings, probe, target, warmup, steps)
     with _work_folder(workdir) as folder:
@@ -76,8 +75,8 @@ def profile_recipe(data: Mapping[str, Any], settings: Sequence[Setting], *, reci
                         echo(f"{where}: {result.error}")
                     continue
                 echo(f"{where} ({result.policy_text}): {steps} steps, the first {warmup} warm-up")
-                cfg = validate_recipe(apply_overrides(base, [(POLICY_KEY, result.policy),
-                                                             ("output_dir", str(folder / _slug(setting.label)))]))
+                cfg = probe.with_checkpointing(parse_policy(result.policy)).model_copy(
+                    update={"output_dir": str(folder / _slug(setting.label))})
                 _run_setting(cfg, result)
                 if result.error:
                     echo(f"{where}: {result.error}")

@@ -89,7 +89,7 @@ class ActivationPlan:
     host_bandwidth: float = 0.0
     """The host<->device bandwidth (bytes/s) ``transfer_seconds`` prices them at."""
     loss: str = ""
-    """The loss the plan is for: ``plain`` / ``fused`` (chosen with ``distributed.planner_loss: choose``) or the
+    """The loss the plan is for: ``plain`` / ``fused`` (chosen with ``activation_checkpointing.loss: choose``) or the
     recipe's ``loss_fn._target_``."""
 
     @property

@@ -27,10 +27,12 @@ from remat.recipes.targets import LOSS, OPTIMIZER, build_target, resolve_target
 
 
 def distributed_setup(cfg: RecipeConfig) -> DistributedSetup:
-    """`DistributedSetup.build` from the recipe's ``distributed`` section (the checkpointing policy already typed)."""
+    """`DistributedSetup.build` from the recipe's ``distributed`` section: the policy in force (pinned, or the plan
+    ``auto`` chose: ``planned``)."""
     d = cfg.distributed
     return DistributedSetup.build(
-        strategy=d.strategy, device=d.device, activation_checkpointing=d.activation_checkpointing, dp_size=d.dp_size,
+        strategy=d.strategy, device=d.device, activation_checkpointing=d.policy, planned=d.auto is not None,
+        dp_size=d.dp_size,
         tp_size=d.tp_size, cp_size=d.cp_size, mixed_precision=d.mixed_precision, cpu_offload=d.cpu_offload,
         fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch, init_timeout_s=d.init_timeout_s,
         timeout_s=d.timeout_s)

@@ -37,7 +37,7 @@ from remat.errors import ConfigError, RematError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
-from remat.recipes.config import RecipeConfig
+from remat.recipes.config import AutoCheckpointing, RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save, unusual_settings
@@ -90,7 +90,7 @@ class FinetuneRecipe:
     def __init__(self, cfg: RecipeConfig, *, callbacks: list[StepCallback] | None = None,
                  replanner: Replanner | None = None, source: str | Path | None = None) -> None:
         """``replanner`` (given by `remat finetune` for ``activation_checkpointing: auto``) turns on the run-time
-        watch: a step over ``distributed.memory_budget`` is re-planned and retried (`remat.recipes.replan`)."""
+        watch: a step over ``activation_checkpointing.memory_budget`` is re-planned and retried (`remat.recipes.replan`)."""
         self.cfg = cfg
         self.source = source
         """The recipe file the run was read from (said at start), when it came from one."""
@@ -144,9 +144,10 @@ class FinetuneRecipe:
             rank=self.dist.dp_rank, world_size=self.dist.dp_size,
         )
         self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
-        self.retry = (StepRetry(self.replanner, max_replans=cfg.distributed.max_replans, setup=self.dist,
-                                model=self.model, meter=self.memory_meter, optimizer=self.optimizer,
-                                relax_after_steps=cfg.distributed.relax_after_steps, notes_dir=self.checkpoint_dir)
+        auto = cfg.distributed.auto or AutoCheckpointing()  # a replanner given in Python to a pinned recipe
+        self.retry = (StepRetry(self.replanner, max_replans=auto.max_replans, setup=self.dist, model=self.model,
+                                meter=self.memory_meter, optimizer=self.optimizer,
+                                relax_after_steps=auto.relax_after_steps, notes_dir=self.checkpoint_dir)
                       if self.replanner is not None else None)
         self.step = 0
         self.data_fingerprint = dataset_fingerprint(self.train_data)

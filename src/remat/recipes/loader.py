@@ -18,10 +18,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from remat._files import printable, read_regular_bytes, shown
-from remat.checkpointing.policy import AUTO
+from remat._logs import warn_once
 from remat.errors import ConfigError, RematError
 from remat.loss.contract import loss_input
-from remat.recipes.config import RecipeConfig, TargetConfig
+from remat.recipes.config import LossConfig, RecipeConfig, TargetConfig
 from remat.recipes.shipped import find_recipe
 from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
@@ -101,7 +101,9 @@ def _parse_value(raw: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """Set each dotted key in a copy of ``data``, creating intermediate mappings as needed."""
+    """Set each dotted key in a copy of ``data``, creating intermediate mappings as needed. A policy written as a
+    string takes keys as its mapping: ``--distributed.activation_checkpointing.memory_budget 40GiB`` over
+    ``activation_checkpointing: auto``."""
     result: dict[str, Any] = _deep_copy(data)
     for key, value in overrides:
         node = result
@@ -110,6 +112,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[str, Any]]) 
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
+            elif isinstance(child, str) and part == "activation_checkpointing":  # auto (or a mode) gains keys
+                child = node[part] = {"mode": child}
             elif not isinstance(child, dict):
                 prefix = ".".join(parts[: depth + 1])
                 raise ConfigError(f"override --{key}: {prefix!r} is {child!r}, not a section with keys")
@@ -221,7 +225,7 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
     _check_targets(cfg)
     _check_cross_section(cfg)
     _check_schedule(cfg)
-    return _with_model_outputs(cfg)
+    return with_model_outputs(cfg)
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
@@ -229,18 +233,10 @@ def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str,
     return validate_recipe(load_recipe_data(path, overrides))
 
 
-def asks_for_auto(data: Mapping[str, Any]) -> bool:
-    """Whether a recipe mapping asks for ``distributed.activation_checkpointing: auto`` (which the planner,
-    `remat.planner`, resolves before the recipe is validated)."""
-    section = data.get("distributed")
-    value = section.get("activation_checkpointing") if isinstance(section, Mapping) else None
-    return isinstance(value, str) and value.strip().lower() == AUTO
-
-
 def load_recipe_data(path: str | Path,
                      overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
-    """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (the planner resolves
-    ``activation_checkpointing: auto`` in it first)."""
+    """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (some mistakes are said from it
+    before torch is imported: `remat.commands.finetune`)."""
     data = read_yaml(path)
     _refuse_runner_only_keys(data, path)
     pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
@@ -289,7 +285,17 @@ def _check_targets(cfg: RecipeConfig) -> None:
         check_kwargs(fn, target_cfg.kwargs, key=f"{section}._target_", provided=PROVIDED_ARGS[section])
 
 
-def _with_model_outputs(cfg: RecipeConfig) -> RecipeConfig:
+def with_loss(cfg: RecipeConfig, loss_fn: Mapping[str, Any]) -> RecipeConfig:
+    """A copy of ``cfg`` training with the loss section ``loss_fn`` (one remat chose: the planner's
+    ``loss: choose``), the model's outputs following it; only the loss section is validated."""
+    loss = LossConfig.model_validate(dict(loss_fn))
+    loss_class = resolve_target(loss.target, key="loss_fn._target_", kind=SECTION_KINDS["loss_fn"],
+                                custom_packages=cfg.custom_target_packages)
+    model = cfg.model.model_copy(update={"output_hidden_states": loss_input(loss_class) == "hidden_states"})
+    return cfg.model_copy(update={"loss_fn": loss, "model": model})
+
+
+def with_model_outputs(cfg: RecipeConfig) -> RecipeConfig:
     """The recipe with ``model.output_hidden_states`` derived from what the loss consumes (`remat.loss.loss_input`).
 
     The key is kept for recipes written before losses declared it: a value that agrees with the loss is accepted, one
@@ -307,30 +313,18 @@ def _with_model_outputs(cfg: RecipeConfig) -> RecipeConfig:
     return cfg.model_copy(update={"model": model})
 
 
-_said: set[str] = set()
-
-
 def _warn_once(message: str, *args: Any) -> None:
-    """A warning about the recipe, said once per process: an ``auto`` run validates its recipe several times (the
-    planner's probe, the planned recipe), and the same advice three times is noise."""
-    text = message % args
-    if text not in _said:
-        _said.add(text)
-        logger.warning(text)
+    warn_once(logger, message, *args)
 
 
 def _check_cross_section(cfg: RecipeConfig) -> None:
-    policy = cfg.distributed.activation_checkpointing
+    setting = cfg.distributed.activation_checkpointing
+    policy = cfg.distributed.auto.plan if cfg.distributed.auto is not None else setting
     tile = getattr(policy, "tile_tokens", None)
     if getattr(policy, "tiled", False) and tile is not None and tile >= cfg.dataset.seq_length:
         _warn_once("distributed.activation_checkpointing.tile_tokens: %d is not less than dataset.seq_length %d, "
                        "so a row is one tile and nothing is tiled; to tile it, lower tile_tokens (e.g. %d)", tile,
                        cfg.dataset.seq_length, max(1, cfg.dataset.seq_length // 4))
-    if cfg.distributed.strategy == "single" and cfg.distributed.dp_size not in (None, 1):
-        raise ConfigError(
-            f"distributed.dp_size: {cfg.distributed.dp_size} needs strategy 'ddp' or 'fsdp2' "
-            "(strategy 'single' runs one process)"
-        )
 
 
 def _check_schedule(cfg: RecipeConfig) -> None:

@@ -3,7 +3,7 @@ the launcher checks it before any worker starts, each worker again before it bui
 
 from __future__ import annotations
 
-from remat.distributed.layout import validate_settings
+from remat.distributed.layout import world_layout
 from remat.errors import ConfigError
 from remat.recipes.config import RecipeConfig
 
@@ -12,9 +12,7 @@ def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]
     """(data-parallel size, gradient-accumulation steps) of the recipe on ``world_size`` processes; ConfigError naming
     the key when the ``distributed`` section, the batch sizes or peft do not fit them."""
     d = cfg.distributed
-    dp_size = validate_settings(d.strategy, d.activation_checkpointing, d.dp_size, d.tp_size, d.cp_size,
-                                d.mixed_precision, d.cpu_offload, d.fsdp_reduce_every_micro_batch,
-                                world_size=world_size)
+    dp_size = world_layout(d.strategy, d.dp_size, d.tp_size, d.cp_size, world_size=world_size)
     if cfg.peft is not None and cfg.distributed.strategy == "fsdp2":
         raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
                           "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")

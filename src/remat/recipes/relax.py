@@ -4,7 +4,7 @@ predicted faster and, corrected by what the stretch measured, to fit with a marg
 
 The counterpart of `remat.recipes.replan` (which tightens a plan when a step goes over); `StepRetry` runs both.
 
-- **The stretch**: ``distributed.relax_after_steps`` consecutive steps under the plan in force whose agreed
+- **The stretch**: ``activation_checkpointing.relax_after_steps`` consecutive steps under the plan in force whose agreed
   forward+backward peak (the over-budget watch's reading, the maximum over the ranks) stays at or below
   ``(1 - RELAX_MARGIN) x budget``. A step above that starts the stretch over. The first optimizer update (no
   optimizer state yet, so a lower peak than later steps) is not counted.
@@ -13,7 +13,7 @@ The counterpart of `remat.recipes.replan` (which tightens a plan when a step goe
   relaxed plan gets a stretch of its own and may be relaxed further: each relax lowers the predicted recompute time,
   so relaxes are finitely many.
 - **No oscillation**: when a relaxed plan goes over the budget, the re-plan path catches it (the step is retried;
-  that re-plan counts against ``distributed.max_replans``, the relax itself does not) and relaxing stops for the
+  that re-plan counts against ``activation_checkpointing.max_replans``, the relax itself does not) and relaxing stops for the
   rest of the run. The replanner also never relaxes to a plan predicted to keep as much as one that went over.
 - **Resumable**: the stretch, the relaxes and whether relaxing stopped are saved in ``train_state.json`` (with the
   replanner's state, which holds the plan in force), so a resumed run takes the same decisions at the same steps.
@@ -51,7 +51,7 @@ class Stretch:
 class RelaxWatch:
     """Counts the stable stretch and decides when to ask for a relaxed plan (module docstring).
 
-    ``after_steps``: the stretch's length (``distributed.relax_after_steps``; None: never relax). ``ask`` gets the
+    ``after_steps``: the stretch's length (``activation_checkpointing.relax_after_steps``; None: never relax). ``ask`` gets the
     `Stretch` and returns True when it swapped in a relaxed plan (`StepRetry` asks the replanner on every rank
     together and logs).
     """

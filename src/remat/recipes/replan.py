@@ -13,9 +13,9 @@ one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
   replanner gives a new policy; `DistributedSetup.replace_checkpointing` swaps it in; the RNG states are put back
   and the step runs again on the same micro-batches. The optimizer state, the learning-rate schedule and the data
   position were never advanced by the failed attempt. One log line says the old and new plans and why.
-- **Bounded**: at most ``distributed.max_replans`` re-plans in a run, then `MemoryBudgetError` saying what the last
+- **Bounded**: at most ``activation_checkpointing.max_replans`` re-plans in a run, then `MemoryBudgetError` saying what the last
   plan needed and what would help.
-- **Relaxed** (`remat.recipes.relax`): after ``distributed.relax_after_steps`` steps well under the budget, a plan
+- **Relaxed** (`remat.recipes.relax`): after ``activation_checkpointing.relax_after_steps`` steps well under the budget, a plan
   with less recompute may be swapped in after a step; if it then goes over, the step is retried as above and
   relaxing stops.
 
@@ -323,14 +323,14 @@ class StepRetry:
         return f"re-planning at step {overshoot.step} after {overshoot.reason}: {error}"
 
     def _exhausted(self, overshoot: Overshoot) -> MemoryBudgetError:
-        done = (f"after {self.replans} re-plan(s) (distributed.max_replans: {self.max_replans})" if self.max_replans
-                else "and re-planning is off (distributed.max_replans: 0)")
+        done = (f"after {self.replans} re-plan(s) (activation_checkpointing.max_replans: {self.max_replans})" if self.max_replans
+                else "and re-planning is off (activation_checkpointing.max_replans: 0)")
         return MemoryBudgetError(
-            f"distributed.memory_budget: step {overshoot.step} does not fit {size(self.budget_bytes)} "
+            f"distributed.activation_checkpointing.memory_budget: step {overshoot.step} does not fit {size(self.budget_bytes)} "
             f"{done}: {overshoot.reason} under the last plan, {self.replanner.describe()}. What would help: a larger "
-            "distributed.memory_budget if the device has room; a smaller micro-batch "
+            "memory_budget if the device has room; a smaller micro-batch "
             "(step_scheduler.local_batch_size); the fused loss (loss_fn._target_: remat.loss.FusedLinearCrossEntropy);"
-            " FSDP or more ranks (distributed.strategy: fsdp2); or more re-plans (distributed.max_replans)")
+            " FSDP or more ranks (distributed.strategy: fsdp2); or more re-plans (max_replans)")
 
     # --- checkpoints -------------------------------------------------------------------------------------------
 
