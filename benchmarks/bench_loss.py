@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.loss import FAST_CHUNK_BYTES, FusedLinearCrossEntropy, MaskedCrossEntropy, auto_token_chunk
+from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy
+from remat.loss.chunked import FAST_CHUNK_BYTES, auto_token_chunk
 from remat.memory import LiveTensorTracker
 
 GIB = 2**30

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from remat.loss import FusedLinearCrossEntropy, KernelRequest, MaskedCrossEntropy, select_backend
+from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy
+from remat.loss.backends import KernelRequest, select_backend
 from remat.memory import LiveTensorTracker
 
 GIB = 2**30

@@ -19,11 +19,13 @@ The public API, re-exported here (nothing inside the package imports from this m
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
-# Names are imported on first use (PEP 562), so that `import remat` (and `remat.cli`, which sets OMP_WAIT_POLICY
-# before torch loads) neither loads torch nor changes the process's environment.
+from remat._lazy import lazy_exports
+
+# Names are imported on first use (PEP 562, remat._lazy), so that `import remat` (and `remat.cli`, which sets
+# OMP_WAIT_POLICY before torch loads) neither loads torch nor changes the process's environment.
 _EXPORTS: dict[str, str] = {
     "AutoModelForCausalLM": "remat.auto",
     "CheckpointPlan": "remat.checkpointing",
@@ -46,9 +48,13 @@ _EXPORTS: dict[str, str] = {
     "FinetuneRecipe": "remat.recipes.finetune",
     "load_recipe": "remat.recipes.loader",
     "prepare_trainer": "remat.integrations",
+    "loss": "remat.loss",
 }
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("remat")
+except PackageNotFoundError:  # a source tree on the import path, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ActivationPlan",
@@ -77,18 +83,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "loss":
-        return importlib.import_module("remat.loss")
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'remat' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:

@@ -14,14 +14,16 @@ from typing import Any
 
 def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: ``exports`` maps each public name to the module defining it
-    (absolute, or relative to the package when it starts with a dot). The value is cached in the package."""
+    (absolute, or relative to the package when it starts with a dot), or a submodule to itself (``"loss":
+    "remat.loss"``). The value is cached in the package."""
     module_globals = importlib.import_module(package).__dict__
 
     def __getattr__(name: str) -> Any:
         source = exports.get(name)
         if source is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(source, package), name)
+        module = importlib.import_module(source, package)
+        value = module if module.__name__ == f"{package}.{name}" else getattr(module, name)  # a submodule itself
         module_globals[name] = value
         return value
 

@@ -29,7 +29,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy
 from remat.distributed import DistributedSetup
 from remat.errors import ConfigError, RematError
-from remat.models import ModelConfig, build_model, model_from_config, preset_names
+from remat.models import ModelConfig, build_model, preset_names
+from remat.models.build import model_from_config
 from remat.models.document_attention import use_document_attention
 
 #: The attribute holding the `CheckpointPlan` on every model these constructors return.

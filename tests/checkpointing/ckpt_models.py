@@ -6,10 +6,8 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -93,16 +91,3 @@ def assert_same_grads(expected: dict[str, torch.Tensor], actual: dict[str, torch
     assert expected, "no gradients at all"
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
-
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny models run faster on one intra-op thread (and much faster on a loaded machine); restored afterwards.
-
-    Import it into a test module (``from ckpt_models import single_thread``) to make it apply there.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

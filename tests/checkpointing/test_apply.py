@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers
 from ckpt_models import assert_same_grads, batch, step_grads, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 from custom_models import MixerLM, NoStack, TinyLM, lm_loss
 from torch import nn
 

@@ -7,7 +7,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_document_attention.py"
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_policies.py"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from ckpt_models import batch, step_grads, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 
 from remat.checkpointing import apply_activation_checkpointing
 

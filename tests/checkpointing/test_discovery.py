@@ -7,10 +7,9 @@ import warnings
 import pytest
 import torch
 from ckpt_models import tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 from custom_models import MixerLM, NoStack, TinyLM
 
-from remat.checkpointing import find_blocks, find_decoder
+from remat.checkpointing.discovery import find_blocks, find_decoder
 from remat.errors import CheckpointingError
 
 # arch -> (container, attention names, mlp names, MoE)

@@ -17,7 +17,6 @@ from ckpt_models import (
     VOCAB,
     assert_same_grads,
     batch,
-    single_thread,  # noqa: F401  (autouse fixture: one intra-op thread in this module)
     tiny_model,
 )
 from torch import nn

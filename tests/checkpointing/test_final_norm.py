@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 from ckpt_models import ARCHS, batch, step_grads, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture: one intra-op thread in this module)
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from remat.checkpointing import apply_activation_checkpointing, find_blocks
+from remat.checkpointing import apply_activation_checkpointing
+from remat.checkpointing.discovery import find_blocks
 from remat.checkpointing.discovery import find_final_norms
 from remat.checkpointing.wrappers import is_wrapped, unwrap_forward
 from remat.memory import LiveTensorTracker

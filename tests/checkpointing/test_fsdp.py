@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from ckpt_models import batch, step_grads, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 
 from remat.checkpointing import apply_activation_checkpointing
 from remat.errors import CheckpointingError

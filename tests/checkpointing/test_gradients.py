@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 from ckpt_models import ARCHS, NUM_LAYERS, assert_same_grads, batch, step_grads, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture: one intra-op thread in this module)
 from torch import nn
 
 from remat.checkpointing import apply_activation_checkpointing

@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 from ckpt_models import assert_same_grads, batch, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 from torch import nn
 
 from remat.checkpointing import apply_activation_checkpointing

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 
 from remat.checkpointing import apply_activation_checkpointing
 from remat.memory import LiveTensorTracker

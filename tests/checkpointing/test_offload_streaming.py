@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from ckpt_models import BATCH, SEQ, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.checkpointing import apply_activation_checkpointing

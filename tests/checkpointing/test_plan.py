@@ -6,7 +6,6 @@ import json
 import warnings
 
 from ckpt_models import tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 
 from remat.checkpointing import apply_activation_checkpointing
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from remat.checkpointing import CheckpointPolicy, LayerOverride, parse_policy
+from remat.checkpointing import CheckpointPolicy, parse_policy
+from remat.checkpointing.policy import LayerOverride
 from remat.checkpointing.policy import merge_options, segment_count, split_into_segments
 from remat.errors import ConfigError
 

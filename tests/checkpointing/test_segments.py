@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 from ckpt_models import assert_same_grads, batch, step_grads, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 from custom_models import Block, TinyLM, lm_loss
 from torch import nn
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 import yaml
 from ckpt_models import ARCHS, batch, step_grads, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture: one intra-op thread in this module)
 from torch import nn
 
 from remat.checkpointing import CheckpointPolicy, apply_activation_checkpointing, parse_policy
@@ -249,7 +248,7 @@ def test_tiled_peak_does_not_grow_with_intermediate_times_tokens() -> None:
 
 
 def test_only_per_position_norms_are_tiled() -> None:
-    from remat.checkpointing import find_norms
+    from remat.checkpointing.discovery import find_norms
 
     class Block(nn.Module):
         def __init__(self) -> None:

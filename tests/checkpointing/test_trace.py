@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 from ckpt_models import batch, tiny_model
-from ckpt_models import single_thread  # noqa: F401  (autouse fixture)
 
 from remat.checkpointing import apply_activation_checkpointing
 from remat.checkpointing.selective import reset_selective_trace

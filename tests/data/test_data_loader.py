@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from remat.data import StatefulBatchIterator, TokenizedDataset
+from remat.data.dataset import TokenizedDataset
+from remat.data.loader import StatefulBatchIterator
 from remat.errors import ConfigError
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dist_recipes import leave_process_group
 from replan_worker import budget_and_extra, outcomes, recipe
 
-from remat.planner.adapt import adapter_for_recipe
+from remat.planner.adapt.adapter import adapter_for_recipe
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 from remat.recipes.training_state.oom_notes import NOTE_PREFIX, restart_generation
@@ -33,7 +33,7 @@ def with_checkpoints(out: Path, strategy: str, budget: int, policy: Any = "none"
     data = recipe(out, strategy, budget)
     data["step_scheduler"].update(max_steps=4, ckpt_every_steps=1)
     data["checkpoint"] = {"enabled": True, "save_final": False}
-    data["distributed"]["activation_checkpointing"] = policy
+    data["distributed"]["activation_checkpointing"]["plan"] = policy  # what auto planned
     return data
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from auto_worker import CASES, PRESET_OVERRIDES, SEED, batch
-from conftest import run_torchrun
+from launches import run_torchrun
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import remat

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_worker
+from launches import run_worker
 
 pytestmark = pytest.mark.distributed
 

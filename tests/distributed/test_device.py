@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from remat.cli import main
-from remat.distributed import DistributedSetup, ProcessEnv
+from remat.distributed import DistributedSetup
+from remat.distributed.env import ProcessEnv
 from remat.distributed.env import backend_for, resolve_device
 from remat.errors import ConfigError
 from remat.recipes.finetune import FinetuneRecipe

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_worker
+from launches import run_worker
 from dist_recipes import PARITY_CASES, reference_key, tiny_recipe
 from dist_worker import NCCL_CASES
 

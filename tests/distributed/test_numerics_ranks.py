@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import HERE, run_torchrun
+from launches import HERE, run_torchrun
 
 pytestmark = pytest.mark.distributed
 

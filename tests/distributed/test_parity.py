@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_worker
+from launches import run_worker
 from dist_recipes import PARITY_CASES, reference_key, tiny_recipe
 
 from remat.recipes.finetune import FinetuneRecipe

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, run_torchrun
+from launches import HERE, run_torchrun
 
 STRATEGIES = ("ddp", "fsdp2")
 

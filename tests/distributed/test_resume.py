@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_worker
+from launches import run_worker
 from dist_recipes import tiny_recipe
 from transformers import AutoModelForCausalLM
 
-from remat.recipes.training_state import checkpoint_layout, list_checkpoints
+from remat.recipes.training_state.layout import checkpoint_layout, list_checkpoints
 from remat.recipes.training_state.sharded import load_sharded_checkpoint
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe

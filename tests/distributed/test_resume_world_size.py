@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import run_torchrun
+from launches import run_torchrun
 from dist_recipes import tiny_recipe
 
 from remat.recipes.finetune import FinetuneRecipe

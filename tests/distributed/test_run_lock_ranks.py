@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import remat
-from conftest import HERE, run_torchrun
+from launches import HERE, run_torchrun
 
 HOLDER = HERE.parent / "recipes" / "lock_holder.py"
 

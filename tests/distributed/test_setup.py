@@ -11,7 +11,9 @@ from torch import nn
 from transformers import AutoConfig
 
 from remat.data import IGNORE_INDEX
-from remat.distributed import DistributedSetup, ProcessEnv, clip_grad_norm, total_grad_norm, under_torchrun
+from remat.distributed import DistributedSetup, clip_grad_norm
+from remat.distributed.env import ProcessEnv, under_torchrun
+from remat.distributed.grad_norm import total_grad_norm
 from remat.distributed.layout import validate_settings
 from remat.distributed.tensor_parallel import TP_PLANS, check_divisible, tp_plan_for
 from remat.errors import ConfigError
@@ -33,7 +35,8 @@ TORCHRUN_ENV = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_
      "distributed.dp_size x tp_size x cp_size = 1 x 4 x 1 = 4, but the launch has 2 processes"),
     ({"strategy": "fsdp2", "dp_size": 2, "tp_size": 2}, 8,
      "distributed.dp_size x tp_size x cp_size = 2 x 2 x 1 = 4, but the launch has 8 processes"),
-    ({"strategy": "single", "tp_size": 2}, 1, "distributed.tp_size: 2 needs several processes"),
+    ({"strategy": "single", "tp_size": 2}, 1,
+     "distributed.tp_size: 2 needs strategy 'ddp' or 'fsdp2' (strategy 'single' runs one process)"),
     ({"strategy": "single"}, 2, "'single' runs one process, but the launch has 2"),
     ({"strategy": "fsdp2", "activation_checkpointing": "sometimes"}, 2, "distributed.activation_checkpointing"),
 ])

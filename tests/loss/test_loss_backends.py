@@ -11,7 +11,8 @@ import torch
 from loss_reference import reference_loss
 
 from remat.errors import ConfigError
-from remat.loss import FusedLinearCrossEntropy, KernelRequest, backends, select_backend
+from remat.loss import FusedLinearCrossEntropy, backends
+from remat.loss.backends import KernelRequest, select_backend
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")

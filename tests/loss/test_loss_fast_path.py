@@ -12,7 +12,8 @@ from loss_reference import loss_and_grads, plain_head_loss, random_labels, refer
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.loss import FAST_CHUNK_BYTES, FusedLinearCrossEntropy, chunked, compiled, plan_chunks
+from remat.loss import FusedLinearCrossEntropy, chunked, compiled
+from remat.loss.chunked import FAST_CHUNK_BYTES, plan_chunks
 from remat.loss.compiled import CompiledChunkMath, softmax_xent_grad_
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")

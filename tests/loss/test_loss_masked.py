@@ -8,7 +8,8 @@ from loss_reference import random_labels, reference_loss_from_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from remat.errors import ConfigError
-from remat.loss import MaskedCrossEntropy, next_token_targets
+from remat.loss import MaskedCrossEntropy
+from remat.loss.targets import next_token_targets
 
 
 def _logits_and_labels(seed: int = 0, shape: tuple[int, ...] = (3, 11), vocab: int = 29, ignore: float = 0.3):

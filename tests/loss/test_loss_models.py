@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from remat.checkpointing.hf_native import enable_hf_checkpointing, is_hf_checkpointing
 from remat.errors import ConfigError
-from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy, OutputHead, output_head
+from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy, output_head
+from remat.loss.head import OutputHead
 
 VOCAB = 53
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat.memory import CATEGORIES, LiveTensorTracker
+from remat.memory import LiveTensorTracker
+from remat.memory.tracker import CATEGORIES
 
 F32 = 4
 

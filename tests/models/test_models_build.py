@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from remat.errors import ConfigError
-from remat.models import ModelConfig, build_model, count_parameters, resolve_model_config
+from remat.models import ModelConfig, build_model, count_parameters
+from remat.models.build import resolve_model_config
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}

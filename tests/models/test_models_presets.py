@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from remat.errors import ConfigError
-from remat.models import PRESETS, ModelConfig, build_model, count_parameters, get_preset, preset_names
+from remat.models import ModelConfig, build_model, count_parameters, get_preset, preset_names
+from remat.models.presets import PRESETS
 from remat.models.presets import DEFAULT_SMALL_VOCAB_SIZE, preset_for_hub_id
 
 # Parameter counts of the released checkpoints (embeddings counted once when tied).

@@ -10,7 +10,8 @@ import yaml
 
 from remat.cli import main
 from remat.errors import ConfigError
-from remat.models import ModelConfig, build_model, resolve_model_config
+from remat.models import ModelConfig, build_model
+from remat.models.build import resolve_model_config
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -15,21 +15,14 @@ from pydantic import BaseModel
 from test_finetune import run, tiny_recipe
 
 from remat.cli import main
-from remat.data import StatefulBatchIterator
+from remat.data.loader import StatefulBatchIterator
 from remat.errors import ConfigError
 from remat.recipes.config import RecipeConfig
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import load_recipe, validate_recipe
 from remat.recipes.lr_schedule import lr_multiplier
-from remat.recipes.resume_changes import (
-    APPLIED,
-    COMPATIBLE,
-    REFUSED,
-    WARNED,
-    config_differences,
-    plan_resume,
-    rule_for,
-)
+from remat.recipes.resume_changes import config_differences, plan_resume
+from remat.recipes.resume_rules import APPLIED, COMPATIBLE, REFUSED, WARNED, rule_for
 from remat.recipes.training_state import find_latest_checkpoint
 
 

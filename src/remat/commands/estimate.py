@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
@@ -129,22 +128,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         print(breakdown_table(estimates[0], capacity_bytes=capacity))
     if args.json:
+        from remat.commands._output import write_json
+
         write_json(Path(args.json), [e.to_dict() for e in estimates] if args.compare else estimates[0].to_dict())
     if args.plot:
         logger.info("wrote %s", plot_breakdowns(estimates, args.plot, capacity_bytes=capacity))
     return 0
-
-
-def write_json(path: Path, payload: Any) -> None:
-    """Write ``payload`` as indented JSON to ``--json PATH`` (parent directories created)."""
-    from remat.errors import ConfigError
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
-    except OSError as err:
-        raise ConfigError(f"--json: cannot write {str(path)!r}: {err.strerror or err}") from err
-    logger.info("wrote %s", path)
 
 
 def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:

@@ -75,7 +75,7 @@ def longest_rows(rows: list[tuple[str, Any]], compared: int) -> list[tuple[str, 
 
 def run_longest(args: argparse.Namespace, model: Any, rows: list[tuple[str, Any]], capacity: int) -> int:
     """Answer every row, print the table and write ``--json``."""
-    from remat.commands.estimate import write_json
+    from remat.commands._output import write_json
     from remat.estimate.longest import find_longest
     from remat.estimate.longest_report import longest_table
 

@@ -191,7 +191,7 @@ def _run_time_replanner(cfg: Any, world_size: int) -> Any:
     """The re-planner of an ``auto`` run (`remat.planner.adapt`), or None with ``max_replans: 0``."""
     if cfg.distributed.auto.max_replans == 0:
         return None
-    from remat.planner.adapt import adapter_for_recipe
+    from remat.planner.adapt.adapter import adapter_for_recipe
 
     return adapter_for_recipe(cfg, world_size=world_size)
 

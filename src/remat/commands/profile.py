@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                             rounds=args.rounds, workdir=args.workdir)
     print(report.table())
     if args.json:
-        _write_json(args.json, report.to_dict())
+        from remat.commands._output import write_json
+
+        write_json(args.json, report.to_dict())
     if args.png:
         logger.info("wrote %s", report.plot(args.png))
     if args.write_calibration:
@@ -95,10 +96,3 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"  note: {calibration.details['note']}")
         logger.info("wrote %s", write_calibration(calibration, args.write_calibration))
     return 0 if all(r.ok for r in report.results) else 1
-
-
-def _write_json(path: str, value: dict[str, Any]) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(value, indent=2) + "\n")
-    logger.info("wrote %s", out)

@@ -10,18 +10,14 @@ from remat._lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     "DatasetConfig": "remat.data.config",
     "TokenizerConfig": "remat.data.config",
-    "TokenizedDataset": "remat.data.dataset",
-    "build_dataset": "remat.data.dataset",
-    "StatefulBatchIterator": "remat.data.loader",
     "IGNORE_INDEX": "remat.data.packing",
+    "build_dataset": "remat.data.dataset",
     "build_tokenizer": "remat.data.tokenizer",
 }
 
 __all__ = [
     "IGNORE_INDEX",
     "DatasetConfig",
-    "StatefulBatchIterator",
-    "TokenizedDataset",
     "TokenizerConfig",
     "build_dataset",
     "build_tokenizer",
@@ -31,7 +27,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from remat.data.config import DatasetConfig, TokenizerConfig
-    from remat.data.dataset import TokenizedDataset, build_dataset
-    from remat.data.loader import StatefulBatchIterator
+    from remat.data.dataset import build_dataset
     from remat.data.packing import IGNORE_INDEX
     from remat.data.tokenizer import build_tokenizer

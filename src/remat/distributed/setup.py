@@ -26,8 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from remat.checkpointing.policy import PolicyLike
-from remat.checkpointing import (CheckpointPlan, apply_activation_checkpointing, find_blocks, is_moe_block, parse_policy,
-                                 planned_policy, remove_activation_checkpointing)
+from remat.checkpointing import (
+    CheckpointPlan,
+    apply_activation_checkpointing,
+    parse_policy,
+    remove_activation_checkpointing,
+)
+from remat.checkpointing.discovery import find_blocks, is_moe_block
+from remat.checkpointing.plan import planned_policy
 from remat.distributed.choices import Strategy
 from remat.distributed.layout import validate_settings
 from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
@@ -346,7 +352,7 @@ def _device_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
 
 
 def _text_config(model: nn.Module) -> Any:
-    from remat.checkpointing import find_decoder
+    from remat.checkpointing.discovery import find_decoder
 
     config = getattr(find_decoder(model), "config", None) or getattr(model, "config", None)
     return config.get_text_config() if hasattr(config, "get_text_config") else config

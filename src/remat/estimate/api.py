@@ -34,7 +34,8 @@ from remat.estimate.replay import replay
 from remat.estimate.settings import StepSettings
 from remat.estimate.simulate import check_simulable, simulate_step
 from remat.hub import hub_config_file, is_hub_id
-from remat.models import ModelConfig, get_preset, preset_names, resolve_model_config
+from remat.models import ModelConfig, get_preset, preset_names
+from remat.models.build import resolve_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,14 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
     model_cfg = resolve_model(model)
     settings = dataclasses.replace(settings, dtype=settings.dtype or model_cfg.dtype,
                                    autocast=settings.autocast or model_cfg.autocast)
-    trace = simulate_step(settings.to_recipe(model_cfg), settings.run())
+    return estimate_recipe(settings.to_recipe(model_cfg), settings, model=model_cfg.describe(), label=label)
+
+
+def estimate_recipe(recipe: Any, settings: StepSettings, *, model: str, label: str = "") -> MemoryEstimate:
+    """The estimate of a validated `remat.recipes.config.RecipeConfig` (what `estimate_memory` runs once the
+    keywords are a recipe; the planner prices its candidates with it, each a copy of one recipe with another
+    policy). ``settings`` are the same step in keywords, for the report; ``model`` describes the model."""
+    trace = simulate_step(recipe, settings.run())
     kind = "cuda" if settings.target == "cuda" else "exact"
     steady = replay(trace.events, trace.marks, kind=kind, steady_state=True)
     exact = replay(trace.events, trace.marks, kind="exact", steady_state=True)
@@ -136,7 +144,7 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
         kernels = ", ".join(f"{name} x{count}" for name, count in trace.attention_kernels.items())
         notes.append(f"attention on CUDA: {kernels}")
     return MemoryEstimate(
-        model=model_cfg.describe(),
+        model=model,
         settings=settings,
         peak_bytes=steady.peak_bytes,
         breakdown=steady.breakdown,

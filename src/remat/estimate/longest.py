@@ -46,7 +46,8 @@ from remat.errors import ConfigError, RematError
 from remat.estimate.limits import MAX_MICRO_BATCH_TOKENS
 from remat.estimate.sampling import PeakSample, PeakSampler
 from remat.estimate.settings import StepSettings
-from remat.models import ModelConfig, resolve_model_config
+from remat.models import ModelConfig
+from remat.models.build import resolve_model_config
 
 logger = logging.getLogger(__name__)
 

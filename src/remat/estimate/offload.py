@@ -28,7 +28,7 @@ from remat.checkpointing.offload import OffloadActivations
 from remat.memory.tracker import LiveTensorTracker, pinned_block_bytes
 
 if TYPE_CHECKING:
-    from remat.estimate.simulate import SimulatedRun
+    from remat.estimate.run import SimulatedRun
 
 
 def offload_copies_cpu_tensors(run: SimulatedRun) -> bool:

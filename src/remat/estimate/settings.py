@@ -5,7 +5,7 @@ the convenience spelling of the recipe keys that matter for memory, turned into 
 the recipe's own validator) and derived back from one by `from_recipe` (for the report and ``--compare`` grids). It
 is kept because these names are the estimate's public keyword arguments and its JSON rows' columns; four of its
 fields are not recipe keys at all (``target``, ``world_size`` when the launcher decides it, ``documents_per_row``,
-``vocab_size``: see `remat.estimate.simulate.SimulatedRun`).
+``vocab_size``: see `remat.estimate.run.SimulatedRun`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from remat.checkpointing import CheckpointPolicy, parse_policy
-from remat.distributed import MIXED_PRECISION, STRATEGIES
+from remat.distributed.choices import MIXED_PRECISION, STRATEGIES
 from remat.errors import ConfigError
 from remat.estimate.choices import LOSS_TARGETS, TARGETS, Target
-from remat.estimate.simulate import SimulatedRun
+from remat.estimate.run import SimulatedRun
 from remat.models import ModelConfig
 from remat.models.config import AutocastDtype, ParamDtype
 from remat.recipes.config import RecipeConfig

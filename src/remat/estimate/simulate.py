@@ -55,8 +55,9 @@ from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_w
 from remat.estimate.fake_model import build_fake_model
 from remat.estimate.limits import check_simulated_sizes
 from remat.estimate.offload import count_offload_on_host, describe_offload
+from remat.estimate.run import SimulatedRun
 from remat.memory.tracker import LiveTensorTracker
-from remat.models import resolve_model_config
+from remat.models.build import resolve_model_config
 from remat.recipes.build import build_optimizer, build_training_module
 from remat.recipes.config import RecipeConfig
 from remat.recipes.step import step_label_tokens, train_step
@@ -66,22 +67,6 @@ DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 GRADIENT_BUCKETS: Final[str] = "gradient_buckets"
 """The category of DDP's gradient buckets, which the live-tensor tracker does not see."""
 _DEVICE_OP: Final[Any] = torch.ops.prim.device.default
-
-
-@dataclass(frozen=True)
-class SimulatedRun:
-    """What a recipe leaves to the launch and the data, which the simulation must be told: the device it models
-    (``target``), the number of processes (``world_size``; torchrun decides it for a recipe without
-    ``distributed.dp_size``), the documents packed per row of the synthetic batch and the vocabulary (the
-    tokenizer's; None keeps the model config's)."""
-
-    target: Target = "cuda"
-    world_size: int = 1
-    documents_per_row: int = 1
-    vocab_size: int | None = None
-    copy_cpu_tensors: bool | None = None
-    """Whether an offloading policy's context copies tensors that are already on the CPU to its host buffers: None
-    decides by ``target`` (see `remat.estimate.offload.offload_copies_cpu_tensors`)."""
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,13 @@ from remat._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "prepare_trainer": "remat.integrations.hf_trainer",
-    "use_fused_loss": "remat.integrations.hf_trainer",
 }
 
-__all__ = ["prepare_trainer", "use_fused_loss"]
+__all__ = [
+    "prepare_trainer",
+]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from remat.integrations.hf_trainer import prepare_trainer, use_fused_loss
+    from remat.integrations.hf_trainer import prepare_trainer

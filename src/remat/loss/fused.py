@@ -39,7 +39,7 @@ class FusedLinearCrossEntropy:
         reduction: "mean" or "sum".
         logit_softcap: Gemma-style cap: the logits are ``cap * tanh(logits / cap)``; None for no cap.
         chunk_size: tokens per chunk; None picks it from the vocabulary size and ``chunk_bytes``
-            (see :func:`remat.loss.auto_token_chunk`).
+            (see :func:`remat.loss.chunked.auto_token_chunk`).
         grad_strategy: "auto", "forward" (gradients computed in forward, 3 matmuls) or "recompute" (logits
             recomputed in backward, 4 matmuls, no fp32 weight-gradient accumulator); see :mod:`remat.loss.chunked`.
         chunk_bytes: working-memory target of one chunk, in bytes; None: 64 MiB eager, 256 MiB on the fast path.

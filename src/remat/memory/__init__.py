@@ -9,29 +9,21 @@ from remat._lazy import lazy_exports
 
 # Imported on first use (remat._lazy), so that light submodules load without torch.
 _EXPORTS: dict[str, str] = {
-    "MEMORY_SOURCES": "remat.memory.meter",
-    "MemoryReading": "remat.memory.meter",
-    "MemorySource": "remat.memory.meter",
-    "StepMemoryMeter": "remat.memory.meter",
-    "max_over_ranks": "remat.memory.meter",
-    "CATEGORIES": "remat.memory.tracker",
     "LiveTensorTracker": "remat.memory.tracker",
-    "StorageListener": "remat.memory.tracker",
+    "StepMemoryMeter": "remat.memory.meter",
+    "MemoryReading": "remat.memory.meter",
+    "max_over_ranks": "remat.memory.meter",
 }
 
 __all__ = [
-    "CATEGORIES",
-    "MEMORY_SOURCES",
     "LiveTensorTracker",
     "MemoryReading",
-    "MemorySource",
     "StepMemoryMeter",
-    "StorageListener",
     "max_over_ranks",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from remat.memory.meter import MEMORY_SOURCES, MemoryReading, MemorySource, StepMemoryMeter, max_over_ranks
-    from remat.memory.tracker import CATEGORIES, LiveTensorTracker, StorageListener
+    from remat.memory.meter import MemoryReading, StepMemoryMeter, max_over_ranks
+    from remat.memory.tracker import LiveTensorTracker

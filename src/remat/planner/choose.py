@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.checkpointing import CheckpointPolicy, LayerOverride
+from remat.checkpointing import CheckpointPolicy
+from remat.checkpointing.policy import LayerOverride
 from remat.checkpointing.policy import Mode
 from remat.planner.measure import BlockKind, BlockMeasurements
 

@@ -30,7 +30,7 @@ from remat.errors import ConfigError
 from remat.estimate.choices import LOSS_TARGETS, short_loss
 from remat.estimate.settings import StepSettings
 from remat.estimate.simulate import make_batch, simulation_mode, with_cuda_loss_defaults
-from remat.models import resolve_model_config
+from remat.models.build import resolve_model_config
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.recipes.build import build_loss

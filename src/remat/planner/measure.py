@@ -26,13 +26,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat._logs import quiet_log
-from remat.checkpointing import Block, CheckpointPolicy, LayerOverride, apply_activation_checkpointing, find_blocks
+from remat.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+from remat.checkpointing.discovery import Block, find_blocks
+from remat.checkpointing.policy import LayerOverride
 from remat.checkpointing.apply import remove_activation_checkpointing
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
 from remat.estimate.attention import CudaAttention
 from remat.estimate.fake_model import build_fake_model
-from remat.estimate.simulate import SimulatedRun, make_batch, simulation_mode
+from remat.estimate.run import SimulatedRun
+from remat.estimate.simulate import make_batch, simulation_mode
 from remat.memory import LiveTensorTracker
 from remat.recipes.config import RecipeConfig
 
@@ -65,7 +68,7 @@ class BlockKind:
     flops: int
     """Forward plus backward FLOPs of one block without checkpointing."""
     is_moe: bool = False
-    """Mixture-of-experts blocks (`remat.checkpointing.is_moe_block`)."""
+    """Mixture-of-experts blocks (`remat.checkpointing.discovery.is_moe_block`)."""
 
     def cost(self, mode: Mode) -> ModeCost:
         """The cost of ``mode`` (KeyError when this kind cannot take it)."""

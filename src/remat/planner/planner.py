@@ -31,10 +31,11 @@ from typing import Final
 from remat.checkpointing import CheckpointingWarning, CheckpointPolicy
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
-from remat.estimate.api import MemoryEstimate, estimate_memory
+from remat.estimate.api import MemoryEstimate, estimate_recipe
 from remat.estimate.choices import short_loss
 from remat.estimate.settings import LOSS_TARGETS, StepSettings
 from remat.models import ModelConfig
+from remat.recipes.config import RecipeConfig
 from remat.planner.advice import moe_selective_note
 from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
@@ -77,8 +78,11 @@ class Planner:
     settings: StepSettings
     flops_per_second: float | None = None
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
+    recipe: RecipeConfig = field(init=False)
+    """The step as a validated recipe (policy none): every candidate priced is a copy with another policy."""
     measurements: BlockMeasurements = field(init=False)
     _estimates: dict[str, MemoryEstimate] = field(init=False, default_factory=dict)
+    _model_name: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         self.settings = dataclasses.replace(self.settings, policy="none")
@@ -90,8 +94,11 @@ class Planner:
         if isinstance(self.host_bandwidth, bool) or not (isinstance(self.host_bandwidth, (int, float))
                                                          and self.host_bandwidth > 0):
             raise ConfigError(f"host_bandwidth: got {self.host_bandwidth!r}; allowed: bytes per second, a number > 0")
-        recipe = self.settings.to_recipe(self.model)
-        self.measurements = measure_blocks(recipe, self.settings.run())
+        self.settings = dataclasses.replace(self.settings, dtype=self.settings.dtype or self.model.dtype,
+                                            autocast=self.settings.autocast or self.model.autocast)
+        self.recipe = self.settings.to_recipe(self.model)  # validated once: every candidate is a copy of it
+        self._model_name = self.model.describe()
+        self.measurements = measure_blocks(self.recipe, self.settings.run())
         self._frontier = frontier(self.measurements)
         logger.info("planner: measured %d block kind(s) of %d blocks in %.1f s; %d Pareto-optimal assignments",
                     len(self.measurements.kinds), self.measurements.num_blocks, self.measurements.seconds,
@@ -107,7 +114,7 @@ class Planner:
             with quiet_checkpointing_log(), warnings.catch_warnings():
                 # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
                 warnings.simplefilter("ignore", CheckpointingWarning)
-                estimate = estimate_memory(self.model, settings)
+                estimate = estimate_recipe(self.recipe.with_checkpointing(policy), settings, model=self._model_name)
             logger.info("planner: %s -> predicted peak %.2f GiB (%.1f s)", policy.describe(),
                         estimate.peak_bytes / GIB, estimate.seconds)
             self._estimates[key] = estimate

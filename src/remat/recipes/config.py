@@ -185,11 +185,11 @@ class AutoCheckpointing(StrictModel):
     memory_budget: TypedBudget = Field(default_factory=MemoryBudget)
     max_replans: NonNegativeInt = 3
     """How many times a run may re-plan when a step's peak exceeds ``memory_budget`` or raises an out-of-memory
-    error (the step is retried each time; `remat.recipes.replan`); 0 turns re-planning off."""
+    error (the step is retried each time; `remat.recipes.adaptation.retry`); 0 turns re-planning off."""
     relax_after_steps: PositiveInt | None = 100
     """With ``max_replans`` >= 1: after this many steps in a row well under ``memory_budget``, plan again for the
     room measured and swap in a plan with less recompute when one is predicted faster and to fit
-    (`remat.recipes.relax`); null: never relax."""
+    (`remat.recipes.adaptation.relax_watch`); null: never relax."""
     calibration: str | None = None
     """A JSON file of `remat profile --write-calibration`: the measured throughput the planner prices recompute at."""
     loss: Literal["keep", "choose"] = "keep"
@@ -396,7 +396,7 @@ class RecipeConfig(StrictModel):
     output_dir: str = ""
     """Where metrics and checkpoints go. Left empty: ``outputs/<recipe file stem>`` for a recipe file
     (`remat.recipes.loader.load_recipe`), ``outputs/run-<8 hex digits of the run's identity>`` otherwise
-    (`remat.recipes.resume_changes.default_output_dir`), so two recipes never share one by accident."""
+    (`remat.recipes.resume_rules.default_output_dir`), so two recipes never share one by accident."""
     custom_target_packages: list[str] = Field(default_factory=list)
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -429,7 +429,7 @@ class RecipeConfig(StrictModel):
     @model_validator(mode="after")
     def _derived_output_dir(self) -> RecipeConfig:
         if not self.output_dir:
-            from remat.recipes.resume_changes import default_output_dir
+            from remat.recipes.resume_rules import default_output_dir
 
             # Not an assignment: validate_assignment would run this validator again.
             self.__dict__["output_dir"] = default_output_dir(self.model_dump(mode="json", by_alias=True))

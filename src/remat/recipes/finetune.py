@@ -29,10 +29,11 @@ import torch
 
 from remat._files import disk_full_error, is_disk_full
 from remat._logs import quiet_log
-from remat.data import IGNORE_INDEX, StatefulBatchIterator, build_dataset, build_tokenizer
+from remat.data import IGNORE_INDEX, build_dataset, build_tokenizer
+from remat.data.loader import StatefulBatchIterator
 from remat.data.fingerprint import dataset_fingerprint
 from remat.data.loader import collate
-from remat.distributed import ProcessEnv
+from remat.distributed.env import ProcessEnv
 from remat.errors import ConfigError, RematError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
@@ -47,7 +48,7 @@ from remat.recipes.resume_changes import plan_resume
 from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
 from remat.recipes.run_report import write_run_report
 from remat.recipes.reporting import RunReporter, StepRecord
-from remat.recipes.replan import Replanner, StepRetry
+from remat.recipes.adaptation.retry import Replanner, StepRetry
 from remat.recipes.step import StepOutcome, autocast, step_label_tokens, train_step
 from remat.recipes.training_state import state_store, store_for_saved
 from remat.recipes.training_state.history import check_saved_step, keep_newer_checkpoints
@@ -90,7 +91,7 @@ class FinetuneRecipe:
     def __init__(self, cfg: RecipeConfig, *, callbacks: list[StepCallback] | None = None,
                  replanner: Replanner | None = None, source: str | Path | None = None) -> None:
         """``replanner`` (given by `remat finetune` for ``activation_checkpointing: auto``) turns on the run-time
-        watch: a step over ``activation_checkpointing.memory_budget`` is re-planned and retried (`remat.recipes.replan`)."""
+        watch: a step over ``activation_checkpointing.memory_budget`` is re-planned and retried (`remat.recipes.adaptation.retry`)."""
         self.cfg = cfg
         self.source = source
         """The recipe file the run was read from (said at start), when it came from one."""

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.distributed import DistributedSetup, clip_grad_norm_tensor
+from remat.distributed import DistributedSetup
+from remat.distributed.grad_norm import clip_grad_norm_tensor
 from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.numerics import nonfinite_flag, step_unless
 

@@ -22,13 +22,11 @@ from remat.recipes.training_state.layout import (
     checkpoint_layout,
     checkpoint_name,
     find_latest_checkpoint,
-    list_checkpoints,
 )
 from remat.recipes.training_state.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from remat.recipes.training_state.single import load_checkpoint, save_checkpoint
 
-__all__ = ["ShardedState", "SingleFileState", "TrainingStateStore", "checkpoint_layout", "find_latest_checkpoint",
-           "list_checkpoints", "state_store", "store_for_saved"]
+__all__ = ["TrainingStateStore", "find_latest_checkpoint"]
 
 
 class TrainingStateStore(Protocol):

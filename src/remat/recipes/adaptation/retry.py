@@ -15,7 +15,7 @@ one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
   position were never advanced by the failed attempt. One log line says the old and new plans and why.
 - **Bounded**: at most ``activation_checkpointing.max_replans`` re-plans in a run, then `MemoryBudgetError` saying what the last
   plan needed and what would help.
-- **Relaxed** (`remat.recipes.relax`): after ``activation_checkpointing.relax_after_steps`` steps well under the budget, a plan
+- **Relaxed** (`remat.recipes.adaptation.relax_watch`): after ``activation_checkpointing.relax_after_steps`` steps well under the budget, a plan
   with less recompute may be swapped in after a step; if it then goes over, the step is retried as above and
   relaxing stops.
 
@@ -44,7 +44,7 @@ from remat.checkpointing import CheckpointPolicy
 from remat.distributed import DistributedSetup
 from remat.errors import MemoryBudgetError, RematError
 from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
-from remat.recipes.relax import RelaxWatch, Stretch
+from remat.recipes.adaptation.relax_watch import RelaxWatch, Stretch
 from remat.recipes.training_state.layout import capture_rng_state, restore_rng_state
 from remat.recipes.training_state.oom_notes import OutOfMemoryNote, restart_generation, restarts_left, write_note
 
@@ -146,7 +146,7 @@ class StepRetry:
 
     ``log`` receives the one line per re-plan or relax (`FinetuneRecipe` points it at its reporter); ``replans``
     counts the re-plans of this run (kept across resumes through `state_dict`). ``relax_after_steps``: the stable
-    stretch after which a plan may be relaxed (`remat.recipes.relax`; None: never). ``notes_dir``: where a rank of
+    stretch after which a plan may be relaxed (`remat.recipes.adaptation.relax_watch`; None: never). ``notes_dir``: where a rank of
     several that runs out of memory leaves its note for the restarted run (the checkpoint directory; None: none).
     """
 
@@ -336,7 +336,7 @@ class StepRetry:
 
     def state_dict(self) -> dict[str, Any]:
         """For ``train_state.json``: the replans done, the replanner's state (the policy in force) and the relax
-        watch's (`remat.recipes.relax`)."""
+        watch's (`remat.recipes.adaptation.relax_watch`)."""
         return {"replans": self.replans, "planner": self.replanner.state_dict(), "relax": self.relax.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> str | None:

@@ -1,4 +1,4 @@
-"""`PlanAdapter`: plans ``auto`` again during a run, from what a step measured (the `remat.recipes.replan.Replanner`
+"""`PlanAdapter`: plans ``auto`` again during a run, from what a step measured (the `remat.recipes.adaptation.retry.Replanner`
 that `remat finetune` hands the recipe).
 
 The plan's prediction was off by what the step measured: ``error = measured - predicted``, both the peak of
@@ -9,7 +9,7 @@ off by a constant and the one that assumes it is off by a factor, whichever asks
 the optimizer state exists, the prediction is taken without that state). After an out-of-memory
 error nothing was measured: the planning budget becomes `OOM_SHRINK` less than the failed plan's prediction.
 Either way the planning budget is below the failed plan's predicted peak, so the new plan keeps less. The lowest
-predicted peak of a plan that went over is remembered: a later relax (`relax`, `remat.planner.relax`) never goes
+predicted peak of a plan that went over is remembered: a later relax (`relax`, `remat.planner.adapt.relaxing`) never goes
 back to a plan predicted to keep as much.
 
 The `Planner` (block measurements on fake tensors, a few seconds) is built on the first re-plan only: a run that
@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch.distributed as dist
@@ -33,11 +34,11 @@ from remat.checkpointing import CheckpointPolicy, parse_policy
 from remat.errors import ConfigError
 from remat.planner.api import default_target, planner_for_recipe, recipe_budget
 from remat.planner.planner import Planner
-from remat.planner.relax import forward_backward_peak, relaxed_plan
+from remat.planner.adapt.relaxing import forward_backward_peak, relaxed_plan
 from remat.recipes.config import RecipeConfig
 from remat.recipes.loader import validate_recipe
-from remat.recipes.relax import Stretch
-from remat.recipes.replan import Overshoot, Replan, size
+from remat.recipes.adaptation.relax_watch import Stretch
+from remat.recipes.adaptation.retry import Overshoot, Replan, size
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class PlanAdapter:
         return Replan(policy=plan.policy, old=old, new=f"{self.describe()} planned for {size(planning)}")
 
     def relax(self, stretch: Stretch) -> Replan | str:
-        """A plan with less predicted recompute that fits what ``stretch`` measured (`remat.planner.relax`), or why
+        """A plan with less predicted recompute that fits what ``stretch`` measured (`remat.planner.adapt.relaxing`), or why
         the plan in force stays."""
         if not self.policy.enabled:  # nothing recomputed: no planner built, no child started
             return "it checkpoints nothing, so there is nothing to relax"
@@ -173,46 +174,72 @@ _LAUNCH_VARIABLES: Final[tuple[str, ...]] = ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                              "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+@dataclass(frozen=True)
+class _Message:
+    """One JSON line between a worker and its planning child (`plan_in_child`): a request (``recipe``,
+    ``world_size``, the adapter's ``state`` and one of ``overshoot`` / ``stretch``) or an answer (the adapter's new
+    ``state`` with ``replan`` or ``kept``, or ``error``). Written and read here only."""
+
+    recipe: dict[str, Any] | None = None
+    world_size: int = 1
+    state: dict[str, Any] | None = None
+    overshoot: dict[str, Any] | None = None
+    stretch: dict[str, Any] | None = None
+    replan: dict[str, Any] | None = None
+    kept: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+
+    @classmethod
+    def from_json(cls, text: str) -> _Message:
+        return cls(**json.loads(text))
+
+
 def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any],
                   request: dict[str, Any]) -> tuple[Replan | str, dict[str, Any]]:
     """`PlanAdapter.replan` (``request``: ``{"overshoot": ...}``) or `PlanAdapter.relax` (``{"stretch": ...}``)
-    run by ``python -P -m remat.planner.adapt`` in a child process without a process group (with this process's
-    import path, and not its working directory: `remat.distributed.launch.SAFE_PYTHON_FLAGS`): returns the answer and the adapter's new state; `ConfigError` with the child's message when it finds no
+    run by ``python -P -m remat.planner.adapt.adapter`` in a child process without a process group (with this process's
+    import path, and not its working directory: `remat.distributed.launch.SAFE_PYTHON_FLAGS`), one `_Message` each
+    way: returns the answer and the adapter's new state; `ConfigError` with the child's message when it finds no
     plan, `RuntimeError` with its output when it fails otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    message = json.dumps({"recipe": recipe, "world_size": world_size, "state": state, **request})
-    proc = subprocess.run([sys.executable, "-P", "-m", "remat.planner.adapt"], input=message, capture_output=True,
-                          text=True, env=env, check=False)
+    message = _Message(recipe=recipe, world_size=world_size, state=state, **request)
+    proc = subprocess.run([sys.executable, "-P", "-m", "remat.planner.adapt.adapter"], input=message.to_json(),
+                          capture_output=True, text=True, env=env, check=False)
     lines = proc.stdout.strip().splitlines()
-    answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    answer = _Message.from_json(lines[-1]) if proc.returncode == 0 and lines else None
     if answer is None:
         raise RuntimeError(f"re-planning in a child process failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    if "error" in answer:
-        raise ConfigError(answer["error"])
-    if "kept" in answer:
-        return answer["kept"], answer["state"]
-    replan = answer["replan"]
-    return (Replan(policy=parse_policy(replan["policy"]), old=replan["old"], new=replan["new"]), answer["state"])
+    if answer.error is not None:
+        raise ConfigError(answer.error)
+    assert answer.state is not None
+    if answer.kept is not None:
+        return answer.kept, answer.state
+    assert answer.replan is not None
+    replan = answer.replan
+    return Replan(policy=parse_policy(replan["policy"]), old=replan["old"], new=replan["new"]), answer.state
 
 
 def _child_main() -> None:
-    """The child of `plan_in_child`: one JSON request on stdin, one JSON answer as the last line of stdout."""
-    request = json.loads(sys.stdin.read())
-    cfg = validate_recipe(request["recipe"])
-    adapter = adapter_for_recipe(cfg, world_size=request["world_size"])
-    adapter.load_state_dict(request["state"])
+    """The child of `plan_in_child`: one `_Message` on stdin, one as the last line of stdout."""
+    request = _Message.from_json(sys.stdin.read())
+    assert request.recipe is not None and request.state is not None
+    adapter = adapter_for_recipe(validate_recipe(request.recipe), world_size=request.world_size)
+    adapter.load_state_dict(request.state)
     try:
-        replan = (adapter.replan(Overshoot(**request["overshoot"])) if "overshoot" in request
-                  else adapter.relax(Stretch(**request["stretch"])))
+        replan = (adapter.replan(Overshoot(**request.overshoot)) if request.overshoot is not None
+                  else adapter.relax(Stretch(**(request.stretch or {}))))
     except ConfigError as err:
-        print(json.dumps({"error": str(err)}))
+        print(_Message(error=str(err)).to_json())
         return
     if isinstance(replan, str):
-        print(json.dumps({"kept": replan, "state": adapter.state_dict()}))
+        print(_Message(kept=replan, state=adapter.state_dict()).to_json())
         return
-    print(json.dumps({"replan": {"policy": replan.policy.to_dict(), "old": replan.old, "new": replan.new},
-                      "state": adapter.state_dict()}))
+    print(_Message(replan={"policy": replan.policy.to_dict(), "old": replan.old, "new": replan.new},
+                   state=adapter.state_dict()).to_json())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The planner's half of relaxing a plan at run time (`remat.recipes.relax` decides when to ask): from what a stable
+"""The planner's half of relaxing a plan at run time (`remat.recipes.adaptation.relax_watch` decides when to ask): from what a stable
 stretch measured, a plan with less predicted recompute time that, corrected by that measurement, fits with a margin.
 
 The plan in force predicted a forward+backward peak ``predicted``; the stretch measured ``measured`` (its highest
@@ -21,8 +21,8 @@ from remat.estimate.api import MemoryEstimate
 from remat.planner.measure import BlockMeasurements
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
-from remat.recipes.relax import Stretch
-from remat.recipes.replan import UPDATE_PHASE, size
+from remat.recipes.adaptation.relax_watch import Stretch
+from remat.recipes.adaptation.retry import UPDATE_PHASE, size
 
 
 @dataclass(frozen=True)
