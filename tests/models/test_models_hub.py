@@ -49,8 +49,19 @@ SCRIPT = textwrap.dedent('''
     report["estimate_hub_exit"] = main(["estimate", "%s", "--target", "cpu", "--seq-length", "32", "--json",
                                         out + ".hub.json"])
     report["estimate_missing_exit"] = main(["estimate", "tiny-org/not-cached", "--target", "cpu"])
+    import contextlib, io
+    plan_err = io.StringIO()
+    with contextlib.redirect_stderr(plan_err):  # its own lines: the tests above count theirs
+        report["plan_hub_exit"] = main(["plan", "%s", "--target", "cpu", "--seq-length", "64", "--batch-size",
+                                        "2", "--budget", "64MiB", "--json", out + ".plan.json"])
+        report["plan_missing_exit"] = main(["plan", "tiny-org/not-cached", "--target", "cpu", "--budget", "1GiB"])
+        report["plan_recipe_flag_exit"] = main(["plan", recipe, "--batch-size", "2", "--budget", "1GiB"])
+    report["plan_stderr"] = plan_err.getvalue()
+    python_plan = remat.plan_activation_checkpointing("%s", memory_budget="64MiB", target="cpu", batch_size=2,
+                                                      seq_length=64)
+    report["python_plan_budget"] = python_plan.budget_bytes
     open(out, "w").write(json.dumps(report))
-''' % (REPO, REPO))
+''' % (REPO, REPO, REPO, REPO))
 
 
 def _populate_hub_cache(hub_cache: Path) -> dict[str, float]:
@@ -151,3 +162,22 @@ def test_remat_estimate_takes_a_hub_id_and_reads_only_its_cached_config(
     (line,) = [line for line in stderr.splitlines() if "cannot read config.json" in line]
     assert line.startswith("error: model.pretrained_model_name_or_path: cannot read config.json for the Hub id "
                            "'tiny-org/not-cached' (HF_HUB_OFFLINE is set")
+
+
+def test_remat_plan_takes_a_hub_id_with_the_step_from_its_flags(
+        offline_run: tuple[dict[str, Any], dict[str, float], str]) -> None:
+    """`remat plan ORG/NAME --budget ...` offline: the cached config.json only, the step from the flags; an uncached
+    id is one line; step flags given with a recipe are refused."""
+    report, _, _ = offline_run
+    assert report["plan_hub_exit"] == 0
+    plan = json.loads(Path(report["estimate_json"].replace(".estimate.json", ".plan.json")).read_text())
+    (answer,) = plan["budgets"]
+    assert answer["budget_bytes"] == 64 * 2**20 and 0 < answer["predicted_peak_bytes"] <= answer["budget_bytes"]
+    assert plan["target"] == "cpu" and len(answer["blocks"]) > 0
+    errors = [line for line in report["plan_stderr"].splitlines() if line.startswith("error: ")]
+    assert report["plan_missing_exit"] == 2 and report["plan_recipe_flag_exit"] == 2
+    assert errors[0].startswith("error: model.pretrained_model_name_or_path: cannot read config.json for the Hub id "
+                                "'tiny-org/not-cached' (HF_HUB_OFFLINE is set")
+    assert errors[1].startswith("error: --batch-size: sets the step of a Hub id or model directory; a recipe has its "
+                                "own")
+    assert report["python_plan_budget"] == 64 * 2**20  # plan_activation_checkpointing("org/name", ...) too

@@ -143,14 +143,16 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
     from remat.estimate.settings import StepSettings
 
     flags = {name: _flag_value(name, getattr(args, flag)) for flag, name in _FLAGS if getattr(args, flag) is not None}
-    model_source = _model_source(args.recipe) if args.recipe is not None else None
-    if model_source is not None:  # a Hub id or a model directory: its config.json only, never weights
+    from remat.commands._model_source import model_source
+
+    source = model_source(args.recipe) if args.recipe is not None else None
+    if source is not None:  # a Hub id or a model directory: its config.json only, never weights
         if args.preset or args.config or overrides:
             raise ConfigError(f"model: got {args.recipe!r} as well as --preset / --config or recipe overrides; give "
                               "one model (a Hub id or a model directory takes the step from the flags)")
         from remat.models import ModelConfig
 
-        return resolve_model(ModelConfig(pretrained_model_name_or_path=model_source)), dataclasses.replace(
+        return resolve_model(ModelConfig(pretrained_model_name_or_path=source)), dataclasses.replace(
             StepSettings(), **flags)
     if args.recipe is not None:
         if args.preset or args.config:
@@ -171,20 +173,6 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
         raise ConfigError("model: give a recipe, --preset NAME or --config PATH (see `remat estimate --help`)")
     model = resolve_model(args.preset or args.config)
     return model, dataclasses.replace(StepSettings(), **flags)
-
-
-def _model_source(argument: str) -> str | None:
-    """``argument`` when it names a model rather than a recipe: a directory holding ``config.json``, or a Hub id
-    (``org/name``) that is not a file or a shipped recipe's name."""
-    from remat.hub import is_hub_id
-    from remat.recipes.shipped import shipped_recipes
-
-    path = Path(argument).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return argument
-    if path.exists() or argument.removesuffix(".yaml") in shipped_recipes() or "/" not in argument:
-        return None
-    return argument if is_hub_id(argument) else None
 
 
 def _flag_value(name: str, value: Any) -> Any:

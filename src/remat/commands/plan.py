@@ -18,6 +18,9 @@ Each mode is measured once per kind of block on fake tensors (bytes kept, FLOPs 
 is priced by the memory estimate (`remat estimate`), no GPU needed.
   remat plan examples/llama_3_2_1b_seed.yaml --budget 80GiB --budget 40GiB --budget 20GiB --budget 12GiB
   remat plan recipe.yaml --budget 0.8 --json plan.json --png plan.png     (0.8 of this GPU's memory)
+  remat plan meta-llama/Llama-3.2-1B --batch-size 8 --seq-length 2048 --autocast bfloat16 --target cuda --budget 20GiB
+A Hub id or a local model directory is read for its config.json only (the HF cache offline, the Hub online; never
+weights), and the step comes from the flags (defaults: batch 1 x 2048, the model's dtype, plain loss, AdamW).
 A budget is bytes, a size (40GiB, 24GB) or a fraction of the GPU's memory; without --budget, the recipe's
 activation_checkpointing.memory_budget, else the GPU's memory minus a margin. The budget is per rank. The printout gives the
 frontier (uniform policies with their predicted peak and recompute), then per budget the plan: per block the mode,
@@ -36,7 +39,8 @@ def register(subparsers: Any) -> None:
         NAME, help="plan per-layer activation checkpointing for a memory budget (no GPU needed)",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("recipe", help="a YAML recipe (see examples/)")
+    parser.add_argument("recipe", help="a YAML recipe (see examples/), or a model: a Hub id or a local model "
+                                       "directory (its config.json only), with the step given by the flags below")
     parser.add_argument("--budget", action="append", default=[], metavar="SIZE",
                         help="memory budget per rank: bytes, a size such as 40GiB, or a fraction of the GPU's "
                              "memory; repeat it to plan several budgets in one run")
@@ -54,37 +58,41 @@ def register(subparsers: Any) -> None:
                         help="choose: plan for the plain and the fused loss and keep the faster plan that fits (its "
                              "note names the loss); keep: the recipe's loss (default: the recipe's "
                              "activation_checkpointing.loss, else keep)")
+    step = parser.add_argument_group("the step of a Hub id or model directory (a recipe has its own)")
+    step.add_argument("--batch-size", type=int, help="micro-batch per rank (default 1)")
+    step.add_argument("--seq-length", type=int, help="tokens per row (default 2048)")
+    step.add_argument("--dtype", help="parameter dtype (default: the model's)")
+    step.add_argument("--autocast", help="autocast dtype (bfloat16, float16), or none")
+    step.add_argument("--loss", help="plain (cross-entropy on logits, the default) or fused")
+    step.add_argument("--optimizer", help="optimizer class (default torch.optim.AdamW)")
+    step.add_argument("--strategy", help="single (default), ddp or fsdp2 (with --world-size)")
+    step.add_argument("--grad-accumulation", type=int, help="micro-batches per optimizer step")
     parser.add_argument("--json", metavar="PATH", help="write the frontier and every budget's plan as JSON")
     parser.add_argument("--png", metavar="PATH", help="write a chart of predicted peak against recompute")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from remat.commands._model_source import model_source
     from remat.errors import ConfigError
-    from remat.planner.api import (
-        default_target,
-        loss_chooser_for_recipe,
-        planner_for_recipe,
-        recipe_budget,
-    )
     from remat.planner.report import BudgetAnswer, plot_plans, report_dict, report_text
-    from remat.recipes.loader import load_recipe
-
     from remat.recipes.output_paths import check_output_file
 
     for flag, value in (("--json", args.json), ("--png", args.png)):
         if value:
             check_output_file(Path(value), flag)
-    cfg = load_recipe(args.recipe, overrides)
-    target = args.target or default_target(cfg.distributed.device)  # one rule with remat finetune and Python
-    budgets = [recipe_budget(cfg, budget, target, key="--budget") for budget in (args.budget or [None])]
-    options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}
-    options["flops_per_second"] = _flops_per_second(args, target)
-    own_choice = cfg.distributed.auto.loss if cfg.distributed.auto is not None else "keep"
-    if (args.loss_choice or own_choice) == "choose":
-        chooser = loss_chooser_for_recipe(cfg, target=target, **options)
-        planner = chooser.planner(chooser.own_loss)
+    source = model_source(args.recipe)
+    step_flags = {name: getattr(args, name) for name in _STEP_FLAGS if getattr(args, name) is not None}
+    if source is None:
+        if step_flags:
+            flag = "--" + next(iter(step_flags)).replace("_", "-")
+            raise ConfigError(f"{flag}: sets the step of a Hub id or model directory; a recipe has its own (override "
+                              "its keys instead, e.g. --step_scheduler.local_batch_size 4)")
+        chooser, planner, budgets = _recipe_planner(args, overrides)
     else:
-        chooser = planner = planner_for_recipe(cfg, target=target, **options)
+        if overrides:
+            raise ConfigError(f"unrecognized arguments: {' '.join(overrides)} (dotted recipe overrides need a recipe; "
+                              "a model takes the step flags)")
+        chooser, planner, budgets = _model_planner(args, source, step_flags)
     frontier = planner.uniform_candidates(max(budgets))
     answers = []
     for budget in budgets:
@@ -103,6 +111,59 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         logger.info("wrote %s", plot_plans(frontier, answers, args.png, step_flops=step_flops))
     return 0 if all(answer.plan is not None for answer in answers) else 1
 
+
+
+_STEP_FLAGS: tuple[str, ...] = ("batch_size", "seq_length", "dtype", "autocast", "loss", "optimizer", "strategy",
+                                "grad_accumulation")
+
+
+def _recipe_planner(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any, list[int]]:
+    """The planner (and loss chooser) of a recipe's step, and the budgets in bytes."""
+    from remat.planner.api import default_target, loss_chooser_for_recipe, planner_for_recipe, recipe_budget
+    from remat.recipes.loader import load_recipe
+
+    cfg = load_recipe(args.recipe, overrides)
+    target = args.target or default_target(cfg.distributed.device)  # one rule with remat finetune and Python
+    budgets = [recipe_budget(cfg, budget, target, key="--budget") for budget in (args.budget or [None])]
+    options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}
+    options["flops_per_second"] = _flops_per_second(args, target)
+    own_choice = cfg.distributed.auto.loss if cfg.distributed.auto is not None else "keep"
+    if (args.loss_choice or own_choice) == "choose":
+        chooser = loss_chooser_for_recipe(cfg, target=target, **options)
+        return chooser, chooser.planner(chooser.own_loss), budgets
+    planner = planner_for_recipe(cfg, target=target, **options)
+    return planner, planner, budgets
+
+
+def _model_planner(args: argparse.Namespace, source: str, step_flags: dict[str, Any]) -> tuple[Any, Any, list[int]]:
+    """The planner (and loss chooser) of a Hub model's or a model directory's step (its config.json only), with the
+    step from the flags, and the budgets in bytes."""
+    import dataclasses
+
+    from remat.checkpointing.budget import parse_budget
+    from remat.estimate.api import resolve_model
+    from remat.estimate.settings import StepSettings
+    from remat.models import ModelConfig
+    from remat.planner.api import default_target, device_bytes
+    from remat.planner.loss_choice import LossChooser
+    from remat.planner.planner import Planner
+
+    if step_flags.get("autocast") == "none":
+        step_flags["autocast"] = None
+    model = resolve_model(ModelConfig(pretrained_model_name_or_path=source))
+    target = args.target or default_target("auto")
+    settings = StepSettings(target=target, world_size=args.world_size or 1, **step_flags)  # type: ignore[arg-type]
+    settings.validate()
+    budgets = [parse_budget(budget, device_bytes=device_bytes(target), key="--budget")
+               for budget in (args.budget or [None])]
+    flops = _flops_per_second(args, target)
+    if args.loss_choice == "choose":
+        chooser = LossChooser(lambda loss, kwargs: Planner(model, dataclasses.replace(settings, loss=loss,
+                                                                                      loss_kwargs=kwargs), flops),
+                              settings.loss, settings.loss_kwargs)
+        return chooser, chooser.planner(chooser.own_loss), budgets
+    planner = Planner(model, settings, flops)
+    return planner, planner, budgets
 
 
 def _flops_per_second(args: argparse.Namespace, target: str) -> float | None:

@@ -40,8 +40,9 @@ from remat.models.build import resolve_model_config
 logger = logging.getLogger(__name__)
 
 ModelLike = ModelConfig | PretrainedConfig | Mapping[str, Any] | str | Path
-"""A preset name, a ``config.json`` (or the directory holding it), a transformers config (object or mapping with
-``model_type``), or a `remat.models.ModelConfig`."""
+"""A preset name, a Hub id (``org/name``: its ``config.json`` only, from the HF cache or the Hub), a ``config.json``
+(or the directory holding it), a transformers config (object or mapping with ``model_type``), or a
+`remat.models.ModelConfig`."""
 
 _SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepSettings) if f.name != "base")
 
@@ -185,9 +186,12 @@ def _model_config(model: ModelLike) -> ModelConfig:
             path = path / "config.json"
         if path.is_file():
             return _from_config_file(path)
+        if "/" in text and not path.exists() and is_hub_id(text):  # org/name: its config.json (HF cache or Hub)
+            return _without_weights(ModelConfig(pretrained_model_name_or_path=text))
         return ModelConfig(preset=get_preset(text).name)  # case-insensitive; unknown: the names and close matches
-    raise ConfigError(f"model: got {model!r}; allowed: a preset name ({', '.join(preset_names())}), a config.json "
-                      "path or its directory, a transformers config, or a remat.models.ModelConfig")
+    raise ConfigError(f"model: got {model!r}; allowed: a preset name ({', '.join(preset_names())}), a Hub id "
+                      "(org/name), a config.json path or its directory, a transformers config, or a "
+                      "remat.models.ModelConfig")
 
 
 def _without_weights(cfg: ModelConfig) -> ModelConfig:
