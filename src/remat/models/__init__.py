@@ -9,6 +9,7 @@ from remat._lazy import lazy_exports
 
 # Imported on first use (remat._lazy), so that light submodules load without torch.
 _EXPORTS: dict[str, str] = {
+    "resolve_model_config": "remat.models.build",
     "ModelConfig": "remat.models.config",
     "build_model": "remat.models.build",
     "get_preset": "remat.models.presets",
@@ -17,6 +18,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "resolve_model_config",
     "ModelConfig",
     "build_model",
     "count_parameters",
@@ -27,6 +29,6 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from remat.models.build import build_model, count_parameters
+    from remat.models.build import build_model, count_parameters, resolve_model_config
     from remat.models.config import ModelConfig
     from remat.models.presets import get_preset, preset_names
