@@ -1,4 +1,4 @@
-"""How fast checkpoint files are hashed for ``COMPLETE.json`` (`remat.recipes.training_state.digest`), and what the
+"""How fast checkpoint files are hashed for ``COMPLETE.json`` (`remat.training_state.digest`), and what the
 hashing adds to a real save.
 
 1. Throughput of the streamed hash of one file (sha256 and blake2b for comparison, 1/4/8 MiB read buffers), and of
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from remat.recipes.training_state import digest
+from remat.training_state import digest
 
 
 def _stream_hash(path: Path, algorithm: str, buffer_bytes: int) -> float:
@@ -64,7 +64,7 @@ def tiny_save(work: Path, repeats: int) -> dict[str, Any]:
     import torch
 
     from remat.models import ModelConfig, build_model
-    from remat.recipes.training_state import layout, single
+    from remat.training_state import layout, single
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset="tiny-llama"))

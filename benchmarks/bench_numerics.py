@@ -1,9 +1,9 @@
 """What the numerics guard costs on the CPU, side by side with what it guards.
 
 For a Llama-shaped model (default: hidden 768, 12 layers, vocab 32000: 134M parameters) with AdamW state, fused and
-not: the median time of ``optimizer.step()`` vs the guarded step (`remat.recipes.numerics.nonfinite_flag` +
+not: the median time of ``optimizer.step()`` vs the guarded step (`remat.recipes.run_safety.numerics.nonfinite_flag` +
 `step_unless`), interleaved, and of the check run before every checkpoint save
-(`remat.recipes.numerics.non_finite_tensors` over parameters and optimizer state). On a GPU the guarded step adds no
+(`remat.recipes.run_safety.numerics.non_finite_tensors` over parameters and optimizer state). On a GPU the guarded step adds no
 host sync with a fused optimizer (``found_inf``); that is by construction and not measured here.
 
     .venv/bin/python benchmarks/bench_numerics.py
@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from remat.distributed import DistributedSetup
-from remat.recipes.numerics import non_finite_tensors, nonfinite_flag, step_unless
+from remat.recipes.run_safety.numerics import non_finite_tensors, nonfinite_flag, step_unless
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -30,7 +30,7 @@ from remat.planner.adapt.adapter import adapter_for_recipe
 from remat.planner.adapt.relaxing import modes_of
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
-from remat.recipes.reporting import StepRecord
+from remat.recipes.reports.reporting import StepRecord
 
 MODEL = {"preset": "tiny-llama", "config": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
                                             "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 4096}}

@@ -142,8 +142,8 @@ def _step(path: Path) -> int:
 
 def _verifying(root: Path) -> dict[str, int]:
     """The checkpoints under `root` that verify, by name → step."""
-    from remat.recipes.training_state.layout import list_checkpoints
-    from remat.recipes.training_state.verify import verify_checkpoint
+    from remat.training_state.layout import list_checkpoints
+    from remat.training_state.verify import verify_checkpoint
 
     return {p.name: _step(p) for p in list_checkpoints(root) if verify_checkpoint(p) is None} if root.is_dir() else {}
 
@@ -177,7 +177,7 @@ def lost_after_kill(root: Path, complete_at_kill: list[str], keep_last: int) -> 
 def kill_trial(scenario: str, index: int, workdir: Path, settings: FaultSettings,
                rng: random.Random) -> FaultResult:
     """kill -9 during a save (one process, or one of 2 ranks), check, re-run, check (see the module docstring)."""
-    from remat.recipes.training_state.layout import list_checkpoints
+    from remat.training_state.layout import list_checkpoints
 
     ranks = 1 if scenario == "single" else 2
     out = workdir / f"{scenario}_{index:02d}"

@@ -107,7 +107,7 @@ def launch_command(recipe: Path, settings: TrialSettings) -> list[str]:
 
 def run_trial(index: int, workdir: Path, settings: TrialSettings, rng: random.Random) -> TrialResult:
     """One try: launch, kill a worker after a random step and moment, wait, check (see the module docstring)."""
-    from remat.recipes.training_state.layout import list_checkpoints
+    from remat.training_state.layout import list_checkpoints
 
     out = workdir / f"try_{index:02d}"
     out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.recipes.reporting import GIB, StepRecord
+from remat.recipes.reports.reporting import GIB, StepRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"step (\d+) \| epoch (\d+) \| loss ([\d.]+) \| grad_norm ([\d.]+) \| lr ([\d.e+-]+) \| "

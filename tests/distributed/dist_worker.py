@@ -181,7 +181,7 @@ def corrupt_shard(out: Path) -> dict[str, Any]:
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("remat.recipes.training_state.verify").addHandler(handler)
+    logging.getLogger("remat.training_state.verify").addHandler(handler)
     job, resumed = train(recipe)
     return {"first": curve(first), "resumed": curve(resumed), "resumed_from": str(job.resumed_from), "said": said}
 

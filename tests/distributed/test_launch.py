@@ -17,8 +17,8 @@ from processes import descendants, end_tree, run_bounded
 from remat.cli import build_parser, main
 from remat.distributed.launch import LaunchOptions, check_launch_environment, share_store_off
 from remat.errors import ConfigError
-from remat.recipes.run_lock import refuse_if_held
-from remat.recipes.training_state.layout import checkpoint_layout, find_latest_checkpoint
+from remat.recipes.run_safety.run_lock import refuse_if_held
+from remat.training_state.layout import checkpoint_layout, find_latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP2_EXAMPLE = ROOT / "examples" / "fsdp2_quickstart.yaml"

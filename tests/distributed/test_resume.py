@@ -14,8 +14,8 @@ from launches import run_worker
 from dist_recipes import tiny_recipe
 from transformers import AutoModelForCausalLM
 
-from remat.recipes.training_state.layout import checkpoint_layout, list_checkpoints
-from remat.recipes.training_state.sharded import load_sharded_checkpoint
+from remat.training_state.layout import checkpoint_layout, list_checkpoints
+from remat.training_state.sharded import load_sharded_checkpoint
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 

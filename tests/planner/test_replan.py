@@ -27,7 +27,7 @@ from remat.recipes.config import AUTO_KEYS
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
 from remat.recipes.adaptation.retry import Overshoot, size
-from remat.recipes.training_state.oom_notes import OutOfMemoryNote, write_note
+from remat.training_state.oom_notes import OutOfMemoryNote, write_note
 
 GIB = 2**30
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from remat.recipes.run_lock import acquire_run_locks
+from remat.recipes.run_safety.run_lock import acquire_run_locks
 
 
 def main() -> None:

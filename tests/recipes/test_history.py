@@ -16,9 +16,9 @@ from remat.cli import main as cli_main
 from remat.errors import ConfigError
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
-from remat.recipes.run_report import current_line
-from remat.recipes.training_state.history import check_saved_step
-from remat.recipes.training_state.layout import prune, remove_stale_work_dirs, write_marker
+from remat.recipes.reports.run_report import current_line
+from remat.training_state.history import check_saved_step
+from remat.training_state.layout import prune, remove_stale_work_dirs, write_marker
 from test_finetune import tiny_recipe
 
 

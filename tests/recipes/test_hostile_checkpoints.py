@@ -17,10 +17,10 @@ from processes import within
 from torch import nn
 
 from remat.errors import ConfigError
-from remat.recipes.training_state.data_only import UnsafeCheckpointError
-from remat.recipes.training_state.layout import COMPLETE_MARKER, write_marker
-from remat.recipes.training_state.sharded import load_sharded_checkpoint, save_sharded_checkpoint
-from remat.recipes.training_state.verify import load_newest_verified, verify_checkpoint
+from remat.training_state.data_only import UnsafeCheckpointError
+from remat.training_state.layout import COMPLETE_MARKER, write_marker
+from remat.training_state.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from remat.training_state.verify import load_newest_verified, verify_checkpoint
 
 
 class _Writes:
@@ -91,7 +91,7 @@ def test_the_reader_itself_refuses_a_planted_metadata(two_steps: Path, tmp_path:
 def test_a_planted_non_tensor_entry_runs_nothing(two_steps: Path, tmp_path: Path) -> None:
     """An entry DCP stores as bytes (the optimizer's lr) holding a pickle that names code: refused by weights-only
     loading, where torch's default planner would unpickle it fully."""
-    from remat.recipes.training_state.data_only import read_metadata
+    from remat.training_state.data_only import read_metadata
 
     step_2 = two_steps / "step_2"
     metadata = read_metadata(step_2 / "dcp")
@@ -168,7 +168,7 @@ def _fifos_never_block(two_steps: Path) -> None:
 def test_a_pickle_in_a_checkpoint_file_is_one_line_and_runs_nothing(tmp_path: Path) -> None:
     """Every torch file of a checkpoint (optimizer, scheduler, RNG state) is read weights-only: a pickle naming code
     is refused in one line (not torch's many-line UnpicklingError), and resume moves on to an older checkpoint."""
-    from remat.recipes.training_state.data_only import load_weights_only
+    from remat.training_state.data_only import load_weights_only
 
     marker = tmp_path / "ran"
     file = tmp_path / "optimizer.pt"

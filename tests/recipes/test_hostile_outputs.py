@@ -87,8 +87,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
     import torch
 
     from remat.errors import MachineFault
-    from remat.recipes.training_state import find_latest_checkpoint
-    from remat.recipes.training_state import single as single_state
+    from remat.training_state import find_latest_checkpoint
+    from remat.training_state import single as single_state
 
     real_save = torch.save
 

@@ -14,8 +14,8 @@ import pytest
 from remat.errors import ConfigError
 from remat.recipes.config import LoggingConfig
 from remat.recipes.loader import validate_recipe
-from remat.recipes.metric_sinks import WANDB_ID_FILE
-from remat.recipes.reporting import RunReporter, StepRecord
+from remat.recipes.reports.metric_sinks import WANDB_ID_FILE
+from remat.recipes.reports.reporting import RunReporter, StepRecord
 
 
 class FakeRun:

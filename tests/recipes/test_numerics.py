@@ -20,8 +20,8 @@ from remat.distributed import DistributedSetup
 from remat.errors import ConfigError, TrainingDivergedError
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
-from remat.recipes.numerics import NonFiniteGuard, non_finite_tensors, nonfinite_flag, step_unless
-from remat.recipes.reporting import StepRecord
+from remat.recipes.run_safety.numerics import NonFiniteGuard, non_finite_tensors, nonfinite_flag, step_unless
+from remat.recipes.reports.reporting import StepRecord
 
 SINGLE = DistributedSetup()
 NAN, INF = float("nan"), float("inf")
@@ -71,7 +71,7 @@ def two_steps(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: Any
 ], ids=["fused-adamw", "fused-sgd", "adamw", "adamw-foreach"])
 def test_a_flagged_update_leaves_weights_and_optimizer_state_byte_equal(
         optimizer_cls: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any], on_device: bool) -> None:
-    from remat.recipes.numerics import skips_on_device
+    from remat.recipes.run_safety.numerics import skips_on_device
 
     steps = two_steps(optimizer_cls, **kwargs)
     model, optimizer = next(steps)

@@ -9,7 +9,7 @@ import pytest
 from remat.errors import ConfigError
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
-from remat.recipes.output_paths import OutputPaths, check_writable_dir
+from remat.recipes.run_safety.output_paths import OutputPaths, check_writable_dir
 
 
 def _paths(root: Path, metrics: str | None = "metrics.jsonl", checkpoint_dir: str | None = None) -> OutputPaths:

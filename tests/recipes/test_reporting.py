@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from remat.recipes.config import LoggingConfig
-from remat.recipes.reporting import RunReporter, StepRecord
+from remat.recipes.reports.reporting import RunReporter, StepRecord
 
 RECORD = StepRecord(step=12, epoch=0, loss=3.21044, grad_norm=1.8249, lr=2e-4, mem_bytes=int(0.41 * 1024**3),
                     mem_source="tracked", tps=5120.4, num_label_tokens=2048, step_time_s=0.5)

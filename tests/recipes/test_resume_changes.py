@@ -21,9 +21,9 @@ from remat.recipes.config import RecipeConfig
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import load_recipe, validate_recipe
 from remat.recipes.lr_schedule import lr_multiplier
-from remat.recipes.resume_changes import config_differences, plan_resume
-from remat.recipes.resume_rules import APPLIED, COMPATIBLE, REFUSED, WARNED, rule_for
-from remat.recipes.training_state import find_latest_checkpoint
+from remat.recipes.run_safety.resume_changes import config_differences, plan_resume
+from remat.recipes.run_safety.resume_rules import APPLIED, COMPATIBLE, REFUSED, WARNED, rule_for
+from remat.training_state import find_latest_checkpoint
 
 
 def stop_at(step: int) -> Callable[[FinetuneRecipe, Any], None]:
@@ -151,7 +151,7 @@ def test_a_model_change_is_refused_with_one_line(tmp_path: Path) -> None:
 
 def test_loading_weights_of_another_shape_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     from remat.recipes.build import build_recipe_model
-    from remat.recipes.training_state.single import load_checkpoint
+    from remat.training_state.single import load_checkpoint
 
     _, first = run(tiny_recipe(tmp_path, step_scheduler={"max_steps": 1}))
     model = {"preset": "tiny-llama", "config": {"hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 3,

@@ -17,10 +17,10 @@ from processes import run_bounded
 
 import remat
 from remat.errors import ConfigError
-from remat.recipes import run_lock
+from remat.recipes.run_safety import run_lock
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
-from remat.recipes.run_lock import LOCK_FILE, acquire_run_locks
+from remat.recipes.run_safety.run_lock import LOCK_FILE, acquire_run_locks
 from test_finetune import tiny_recipe
 
 HOLDER = Path(__file__).with_name("lock_holder.py")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from remat.errors import ConfigError
-from remat.recipes.run_report import read_metrics, summarize_run, write_run_report
+from remat.recipes.reports.run_report import read_metrics, summarize_run, write_run_report
 
 GIB = 1024**3
 

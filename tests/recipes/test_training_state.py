@@ -19,14 +19,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from remat.errors import ConfigError
 from remat.models import ModelConfig, build_model
-from remat.recipes.training_state import single as single_file_state
-from remat.recipes.training_state.layout import (
+from remat.training_state import single as single_file_state
+from remat.training_state.layout import (
     COMPLETE_MARKER,
     find_latest_checkpoint,
     is_complete_checkpoint,
     list_checkpoints,
 )
-from remat.recipes.training_state.single import load_checkpoint, save_checkpoint
+from remat.training_state.single import load_checkpoint, save_checkpoint
 
 VOCAB = 48
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -317,7 +317,7 @@ def test_compiled_models_are_saved_and_loaded_through_their_original_module(tmp_
 
 def test_the_store_follows_the_strategy_and_the_saved_layout(tmp_path: Path) -> None:
     from remat.distributed import DistributedSetup
-    from remat.recipes.training_state import ShardedState, SingleFileState, state_store, store_for_saved
+    from remat.training_state.stores import ShardedState, SingleFileState, state_store, store_for_saved
 
     single = DistributedSetup.build(device="cpu")
     assert isinstance(state_store(single), SingleFileState)
@@ -333,8 +333,8 @@ def test_the_store_follows_the_strategy_and_the_saved_layout(tmp_path: Path) -> 
 
 
 def test_pruning_keeps_the_newest_checkpoint_that_verifies(tmp_path: Path) -> None:
-    from remat.recipes.training_state.layout import prune
-    from remat.recipes.training_state.verify import verify_checkpoint
+    from remat.training_state.layout import prune
+    from remat.training_state.verify import verify_checkpoint
 
     model = _model(0)
     for step in (2, 4):

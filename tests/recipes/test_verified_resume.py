@@ -20,7 +20,7 @@ from test_finetune import run, tiny_recipe
 from remat.errors import ConfigError
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
-from remat.recipes.training_state.layout import COMPLETE_MARKER
+from remat.training_state.layout import COMPLETE_MARKER
 
 pytestmark = pytest.mark.slow
 
@@ -247,7 +247,7 @@ def test_restart_moves_the_old_checkpoints_aside_and_starts_over(copy_of_run: Pa
 
 def test_restart_refuses_when_the_checkpoints_cannot_be_moved(copy_of_run: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from remat.recipes.training_state import verify
+    from remat.training_state import verify
 
     def refuse(src: Any, dst: Any) -> None:
         raise PermissionError(13, "Permission denied", str(src))

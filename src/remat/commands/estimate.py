@@ -99,7 +99,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from remat.recipes.output_paths import check_output_file
+    from remat.recipes.run_safety.output_paths import check_output_file
     from remat.units import parse_capacity
 
     capacity = parse_capacity(args.fits) if args.fits else None  # said before torch loads

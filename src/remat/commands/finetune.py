@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.distributed.env import ProcessEnv, check_cuda_devices
     from remat.distributed.launch import check_launch_environment, launch
     from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
-    from remat.recipes.run_lock import refuse_if_held, run_directories
+    from remat.recipes.run_safety.run_lock import refuse_if_held, run_directories
 
     if planned:  # planned once: the launcher writes the plan for its workers, which read it (remat.planner.handoff)
         from remat.distributed.env import under_torchrun
@@ -174,7 +174,7 @@ def _check_before_start(data: dict[str, Any], options: Any) -> None:
 def restarts_for_replanning(options: Any, cfg: Any) -> Any:
     """`options` with ``--max-restarts`` set to ``max_replans`` for an ``auto`` recipe on several processes that did
     not give it: an out-of-memory error on one rank is re-planned after torchrun restarts the workers
-    (`remat.recipes.training_state.oom_notes`). Given explicitly (0 included), it is kept."""
+    (`remat.training_state.oom_notes`). Given explicitly (0 included), it is kept."""
     import dataclasses
 
     auto = cfg.distributed.auto
@@ -228,7 +228,7 @@ def restart_before_launch(cfg: Any, node_rank: int | None, overrides: list[str])
     that torchrun restarts after a failure (``--max-restarts``) then continue from the new checkpoints instead of
     moving them aside again."""
     from remat.recipes.finetune import checkpoint_directory
-    from remat.recipes.training_state.verify import supersede_checkpoints
+    from remat.training_state.verify import supersede_checkpoints
 
     if not node_rank:
         supersede_checkpoints(checkpoint_directory(cfg))

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.commands._model_source import model_source
     from remat.errors import ConfigError
     from remat.planner.report import BudgetAnswer, plot_plans, report_dict, report_text
-    from remat.recipes.output_paths import check_output_file
+    from remat.recipes.run_safety.output_paths import check_output_file
 
     for flag, value in (("--json", args.json), ("--png", args.png)):
         if value:

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from remat.recipes.loader import load_recipe_data
 
     settings = parse_settings(args.policies, args.budget)  # before torch loads: a typo is said at once
-    from remat.recipes.output_paths import check_output_file
+    from remat.recipes.run_safety.output_paths import check_output_file
 
     for flag, value in (("--json", args.json), ("--png", args.png), ("--write-calibration", args.write_calibration)):
         if value:

@@ -27,8 +27,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     output_dir = Path(args.output_dir)
     if not output_dir.is_dir():  # said before torch and matplotlib load
         raise ConfigError(f"report: {str(output_dir)!r} is not a directory; give a run's output_dir")
-    from remat.recipes.run_report import write_run_report
-    from remat.recipes.training_state import find_latest_checkpoint
+    from remat.recipes.reports.run_report import write_run_report
+    from remat.training_state import find_latest_checkpoint
     latest = find_latest_checkpoint(output_dir / "checkpoints")
     model_dir = latest / "model" if latest is not None and (latest / "model").is_dir() else None
     summary, png = write_run_report(output_dir, metrics_file=args.metrics_file, model_dir=model_dir)

@@ -24,7 +24,7 @@ from remat.estimate.choices import LOSS_TARGETS
 from remat.planner.api import default_target, plan_recipe_auto, recipe_budget
 from remat.recipes.config import AutoCheckpointing, LossConfig, RecipeConfig
 from remat.recipes.loader import with_loss
-from remat.recipes.output_paths import PLAN_FILE
+from remat.recipes.run_safety.output_paths import PLAN_FILE
 from remat.units import format_bytes
 
 logger = logging.getLogger(__name__)

@@ -396,7 +396,7 @@ class RecipeConfig(StrictModel):
     output_dir: str = ""
     """Where metrics and checkpoints go. Left empty: ``outputs/<recipe file stem>`` for a recipe file
     (`remat.recipes.loader.load_recipe`), ``outputs/run-<8 hex digits of the run's identity>`` otherwise
-    (`remat.recipes.resume_rules.default_output_dir`), so two recipes never share one by accident."""
+    (`remat.recipes.run_safety.resume_rules.default_output_dir`), so two recipes never share one by accident."""
     custom_target_packages: list[str] = Field(default_factory=list)
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -429,7 +429,7 @@ class RecipeConfig(StrictModel):
     @model_validator(mode="after")
     def _derived_output_dir(self) -> RecipeConfig:
         if not self.output_dir:
-            from remat.recipes.resume_rules import default_output_dir
+            from remat.recipes.run_safety.resume_rules import default_output_dir
 
             # Not an assignment: validate_assignment would run this validator again.
             self.__dict__["output_dir"] = default_output_dir(self.model_dump(mode="json", by_alias=True))

@@ -41,20 +41,20 @@ from remat.recipes.build import build_optimizer, build_recipe_model, build_train
 from remat.recipes.config import AutoCheckpointing, RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
-from remat.recipes.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save, unusual_settings
-from remat.recipes.output_paths import OutputPaths
+from remat.recipes.run_safety.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save, unusual_settings
+from remat.recipes.run_safety.output_paths import OutputPaths
 from remat.recipes.parallel_layout import check_parallel_layout
-from remat.recipes.resume_changes import plan_resume
-from remat.recipes.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
-from remat.recipes.run_report import write_run_report
-from remat.recipes.reporting import RunReporter, StepRecord
+from remat.recipes.run_safety.resume_changes import plan_resume
+from remat.recipes.run_safety.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
+from remat.recipes.reports.run_report import write_run_report
+from remat.recipes.reports.reporting import RunReporter, StepRecord
 from remat.recipes.adaptation.retry import Replanner, StepRetry
 from remat.recipes.step import StepOutcome, autocast, step_label_tokens, train_step
-from remat.recipes.training_state import state_store, store_for_saved
-from remat.recipes.training_state.history import check_saved_step, keep_newer_checkpoints
-from remat.recipes.training_state.layout import remove_stale_work_dirs, step_directories
-from remat.recipes.training_state.oom_notes import clear_notes, pending_note
-from remat.recipes.training_state.verify import load_newest_verified, load_verified, supersede_checkpoints
+from remat.training_state.stores import state_store, store_for_saved
+from remat.training_state.history import check_saved_step, keep_newer_checkpoints
+from remat.training_state.layout import remove_stale_work_dirs, step_directories
+from remat.training_state.oom_notes import clear_notes, pending_note
+from remat.training_state.verify import load_newest_verified, load_verified, supersede_checkpoints
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
 
@@ -113,7 +113,7 @@ class FinetuneRecipe:
 
     def setup(self) -> None:
         """Build tokenizer, data, model (+LoRA, checkpointing), optimizer, schedule and loss; resume if asked. First
-        takes the run's directory locks (`remat.recipes.run_lock`; ``run`` or ``release_run_locks`` lets them go)."""
+        takes the run's directory locks (`remat.recipes.run_safety.run_lock`; ``run`` or ``release_run_locks`` lets them go)."""
         self._take_run_locks()
         try:
             self._build()
@@ -156,7 +156,7 @@ class FinetuneRecipe:
         self.resumed_from = self._maybe_resume()
 
     def _maybe_resume(self) -> Path | None:
-        """Choose, verify and load the checkpoint to continue from (`remat.recipes.training_state.verify`): with
+        """Choose, verify and load the checkpoint to continue from (`remat.training_state.verify`): with
         ``auto`` the newest that verifies and loads, each one skipped said; None when starting at step 0."""
         ckpt = self.cfg.checkpoint
         if not ckpt.enabled:
@@ -187,7 +187,7 @@ class FinetuneRecipe:
 
     def _restore(self, path: Path) -> None:
         """Load the verified checkpoint at ``path`` into the run (model, optimizer, schedule, RNGs, data position),
-        after classifying how the recipe changed since it was saved (`remat.recipes.resume_changes`): a refused
+        after classifying how the recipe changed since it was saved (`remat.recipes.run_safety.resume_changes`): a refused
         change is a ConfigError before anything is loaded; applied and compatible ones are applied here."""
         changes = plan_resume(path, self.cfg, data_fingerprint=self.data_fingerprint, batches=self.batches,
                               optimizer=self.optimizer)
@@ -292,7 +292,7 @@ class FinetuneRecipe:
 
     def _replan_after_restart(self) -> None:
         """An ``auto`` run restarted after one of several ranks ran out of memory re-plans, before its first step,
-        from the newest pending out-of-memory note (`remat.recipes.training_state.oom_notes`; read by rank 0)."""
+        from the newest pending out-of-memory note (`remat.training_state.oom_notes`; read by rank 0)."""
         assert self.retry is not None
         note = on_rank0(lambda: pending_note(self.checkpoint_dir, self.step), rank=self.dist.rank,
                         distributed=self.dist.is_distributed)

@@ -244,7 +244,7 @@ def load_recipe_data(path: str | Path,
     if not any(key == TRUST_REMOTE_CODE for key, _ in pairs):
         _refuse_remote_code(data, path)
     data = apply_overrides(data, pairs)  # type: ignore[arg-type]
-    if data.get("output_dir") in (None, ""):  # each recipe file its own run directory (remat.recipes.resume_changes)
+    if data.get("output_dir") in (None, ""):  # each recipe file its own run directory (remat.recipes.run_safety.resume_changes)
         data["output_dir"] = f"outputs/{Path(path).stem}"
     return data
 

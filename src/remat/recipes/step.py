@@ -1,13 +1,13 @@
 """THE training step: forward+backward of each micro-batch (the loss normalised by the step's label tokens summed
 over the data-parallel ranks), gradient synchronisation on the last micro-batch, gradient clipping, the numerics guard
-(`remat.recipes.numerics`: a step whose loss or gradient norm is NaN/inf is not applied), the optimizer step, the
+(`remat.recipes.run_safety.numerics`: a step whose loss or gradient norm is NaN/inf is not applied), the optimizer step, the
 learning-rate schedule and ``zero_grad``.
 
 `remat.recipes.finetune.FinetuneRecipe` runs it on real tensors; the memory estimate (`remat.estimate.simulate`) runs
 it under ``FakeTensorMode``; `benchmarks/bench_estimate_cuda.py` runs it on a GPU. Nothing here reads a tensor's
 value (no ``.item()``), so the same code runs on fake tensors: the loss and the gradient norm stay on the device.
 The one host sync left is the guard's for optimizers that cannot skip an update on the device (see
-`remat.recipes.numerics.step_unless`); fused Adam/AdamW/SGD skip it with ``found_inf``.
+`remat.recipes.run_safety.numerics.step_unless`); fused Adam/AdamW/SGD skip it with ``found_inf``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from remat.distributed import DistributedSetup
 from remat.distributed.grad_norm import clip_grad_norm_tensor
 from remat.recipes.model_loss import count_label_tokens
-from remat.recipes.numerics import nonfinite_flag, step_unless
+from remat.recipes.run_safety.numerics import nonfinite_flag, step_unless
 
 Batch = Mapping[str, torch.Tensor]
 

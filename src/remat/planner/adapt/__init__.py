@@ -5,5 +5,5 @@ stable stretch allows.
 
 The training loop's side is `remat.recipes.adaptation` (it watches each step and asks through the small
 `Replanner` protocol, since the recipe sits below the planner); the out-of-memory notes that carry a re-plan across
-torchrun restarts are saved state (`remat.recipes.training_state.oom_notes`).
+torchrun restarts are saved state (`remat.training_state.oom_notes`).
 """

@@ -20,7 +20,7 @@ one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
   relaxing stops.
 
 - **Out of memory on one of several ranks**: its peers already wait in the step's collectives, so the step cannot
-  be retried in place. The rank writes an out-of-memory note (`remat.recipes.training_state.oom_notes`) and fails;
+  be retried in place. The rank writes an out-of-memory note (`remat.training_state.oom_notes`) and fails;
   torchrun restarts the workers (``--max-restarts``), the run resumes from its newest checkpoint and re-plans from
   the note before its first step (`StepRetry.replan_after_restart`), counted like any re-plan.
 
@@ -45,8 +45,8 @@ from remat.distributed import DistributedSetup
 from remat.errors import MemoryBudgetError, RematError
 from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
 from remat.recipes.adaptation.relax_watch import RelaxWatch, Stretch
-from remat.recipes.training_state.layout import capture_rng_state, restore_rng_state
-from remat.recipes.training_state.oom_notes import OutOfMemoryNote, restart_generation, restarts_left, write_note
+from remat.training_state.layout import capture_rng_state, restore_rng_state
+from remat.training_state.oom_notes import OutOfMemoryNote, restart_generation, restarts_left, write_note
 
 logger = logging.getLogger(__name__)
 

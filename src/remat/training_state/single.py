@@ -15,7 +15,7 @@ Everything is written into ``<root>/.tmp-step_<N>-<pid>/``, flushed to disk, and
 step; then ``<root>/latest`` (one line: ``step_<N>``) is replaced atomically and older checkpoints beyond
 `keep_last` are removed. A crash at any point leaves `latest` on a complete checkpoint; temporary and
 incomplete directories are never picked up. One writer per root is assumed. The helpers are small so that a
-sharded (torch.distributed.checkpoint) variant, `remat.recipes.training_state.sharded`, reuses the directory protocol
+sharded (torch.distributed.checkpoint) variant, `remat.training_state.sharded`, reuses the directory protocol
 (its marker says layout "sharded"); `checkpoint_layout` tells the two apart.
 """
 
@@ -36,8 +36,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from remat.errors import ConfigError
-from remat.recipes.training_state.data_only import load_weights_only
-from remat.recipes.training_state.layout import (
+from remat.training_state.data_only import load_weights_only
+from remat.training_state.layout import (
     ADAPTER_DIR,
     LATEST_FILE,
     LAYOUT_SINGLE,
@@ -65,7 +65,7 @@ from remat.recipes.training_state.layout import (
     unwrap_model,
     write_marker,
 )
-from remat.recipes.training_state.verify import raise_if_unverified
+from remat.training_state.verify import raise_if_unverified
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def load_checkpoint(
 
     `path` is a ``step_<N>`` directory, or a checkpoint root (its latest checkpoint is loaded). With `verify` every
     file's SHA-256 is checked against the marker first (ConfigError naming the file when one differs); the resume path
-    verifies beforehand (`remat.recipes.training_state.verify`) and passes False. The small files are read before
+    verifies beforehand (`remat.training_state.verify`) and passes False. The small files are read before
     anything is restored, so a damaged one fails before the model or optimizer is touched.
     """
     path = resolve_checkpoint(Path(path))
@@ -127,7 +127,7 @@ def load_checkpoint(
     if marker.get("layout", LAYOUT_SINGLE) != LAYOUT_SINGLE:
         raise ConfigError(
             f"checkpoint {path} is {marker.get('layout')} (torch.distributed.checkpoint, written by an fsdp2 run); "
-            "load it with remat.recipes.training_state.sharded.load_sharded_checkpoint, or use its model/ export as "
+            "load it with remat.training_state.sharded.load_sharded_checkpoint, or use its model/ export as "
             "model.pretrained_model_name_or_path."
         )
     inner = unwrap_model(model)

@@ -1,6 +1,6 @@
 """The rules of a resume, key by key (`RESUME_RULES`), and the run identity they define.
 
-Every recipe key falls in one class on resume (`remat.recipes.resume_changes` applies them: the module docstring
+Every recipe key falls in one class on resume (`remat.recipes.run_safety.resume_changes` applies them: the module docstring
 there says what each class does). The refused keys and those compared as data are also what makes a different run:
 `identity_digest` hashes their values, and `default_output_dir` names a run directory by it. Pure: this module reads
 no recipe class, so the schema (`remat.recipes.config`) can name its default ``output_dir`` with it.

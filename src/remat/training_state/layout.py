@@ -1,9 +1,9 @@
-"""The directory protocol shared by both kinds of saved training state (`remat.recipes.training_state.single` and
+"""The directory protocol shared by both kinds of saved training state (`remat.training_state.single` and
 `.sharded`): the ``step_<N>`` layout and its file names, the ``COMPLETE.json`` marker, atomic publishing through a
 temporary directory and the ``latest`` pointer, pruning, the RNG state, and the parts of a step directory both write
 (the exported transformers model, the tokenizer, the train state JSON).
 
-Layout of one checkpoint, ``<root>/step_<N>/``: see `remat.recipes.training_state.single`. Everything is written
+Layout of one checkpoint, ``<root>/step_<N>/``: see `remat.training_state.single`. Everything is written
 into ``<root>/.tmp-step_<N>-<pid>/``, flushed to disk, and renamed to ``step_<N>`` in one step; then ``<root>/latest``
 (one line: ``step_<N>``) is replaced atomically and older checkpoints beyond ``keep_last`` are removed. A crash at any
 point leaves ``latest`` on a complete checkpoint; temporary and incomplete directories are never picked up.
@@ -30,12 +30,12 @@ from transformers.utils import logging as hf_logging
 
 from remat._files import fsync_path, kind_of, printable, read_regular_bytes, write_atomic
 from remat.errors import ConfigError
-from remat.recipes.output_paths import LATEST_FILE
-from remat.recipes.training_state.digest import HASH_ALGORITHM, digests
+from remat.training_state.digest import HASH_ALGORITHM, digests
+from remat.training_state.names import LATEST_FILE
 
 logger = logging.getLogger(__name__)
 
-# Format 2 records each file's size and SHA-256 (`remat.recipes.training_state.verify` checks them on resume); format 1
+# Format 2 records each file's size and SHA-256 (`remat.training_state.verify` checks them on resume); format 1
 # (sizes only, written before content hashes existed) is still read, as unverified. The version was bumped rather
 # than an optional key added so that a format-2 marker missing a file's hash is broken, not silently unverified.
 FORMAT_VERSION = 2
@@ -104,7 +104,7 @@ def is_step_name(name: str) -> bool:
 
 def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a finished checkpoint: its marker parses, names its step, and every file has its size
-    (contents are not hashed here: `remat.recipes.training_state.verify.verify_checkpoint` does that)."""
+    (contents are not hashed here: `remat.training_state.verify.verify_checkpoint` does that)."""
     return incomplete_reason(Path(path)) is None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from remat._files import write_atomic
 from remat.errors import ConfigError
-from remat.recipes.output_paths import REPORT_FILE
+from remat.recipes.run_safety.output_paths import REPORT_FILE
 
 GIB = 1024**3
 

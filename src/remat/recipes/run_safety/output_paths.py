@@ -11,13 +11,13 @@ from pathlib import Path
 
 from remat._files import kind_of, refuse_link, shown
 from remat.errors import ConfigError
+from remat.training_state.names import LATEST_FILE
 
 #: The files a run owns in its directories, besides the checkpoints themselves (written where named, never through a
 #: link planted there: `remat._files`).
 LOCK_FILE = ".remat.lock"
 REPORT_FILE = "report.png"
 WANDB_ID_FILE = "wandb_run_id"
-LATEST_FILE = "latest"
 PLAN_FILE = "auto_plan.json"
 #: The longest name of one path component on the file systems remat runs on (ext4, xfs, btrfs, NFS: 255 bytes).
 MAX_NAME_BYTES = 255

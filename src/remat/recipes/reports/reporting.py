@@ -1,5 +1,5 @@
 """What a run tells its user: the per-step log line, a progress bar on terminals, a metrics file, and optionally
-TensorBoard and Weights & Biases (`remat.recipes.metric_sinks`).
+TensorBoard and Weights & Biases (`remat.recipes.reports.metric_sinks`).
 
 The step line follows the seed documents' form, e.g.
 ``step 12 | epoch 0 | loss 3.2104 | grad_norm 1.82 | lr 2.0e-04 | mem 0.41 GiB | tps 5120 | num_label_tokens 2048``.
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from remat._files import open_append
 from remat.recipes.config import LoggingConfig
-from remat.recipes.metric_sinks import MetricSink, open_sinks
+from remat.recipes.reports.metric_sinks import MetricSink, open_sinks
 
 GIB = 1024**3
 
@@ -52,7 +52,7 @@ class RunReporter:
     """Prints step lines (plain, or above a rich progress bar on a terminal) and appends metrics as JSON lines.
 
     Every metrics row carries ``attempt``, the run's attempt number in its output_dir (see
-    `remat.recipes.run_lock`), so the rows of a resumed run that repeat steps of an earlier attempt can be told apart;
+    `remat.recipes.run_safety.run_lock`), so the rows of a resumed run that repeat steps of an earlier attempt can be told apart;
     TensorBoard hides the events of steps after ``start_step`` that an earlier attempt logged. Only the main process
     reports; on the others every method is a no-op.
     """

@@ -33,7 +33,7 @@ from remat.errors import TrainingDivergedError
 if TYPE_CHECKING:
     from remat.distributed import DistributedSetup
     from remat.recipes.config import TrainingConfig
-    from remat.recipes.reporting import StepRecord
+    from remat.recipes.reports.reporting import StepRecord
 
 _SHOWN = 3  # tensor names a message lists before "..."
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from remat._files import fsync_path, write_atomic
 from remat.errors import ConfigError
-from remat.recipes.training_state.layout import (
+from remat.training_state.layout import (
     _STEP_DIR,
     LATEST_FILE,
     TRAIN_STATE_FILE,

@@ -1,6 +1,6 @@
 """Sharded training checkpoints with torch.distributed.checkpoint (DCP), for FSDP2 runs.
 
-Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.recipes.training_state.single`)::
+Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.training_state.single`)::
 
     dcp/                    model and optimizer state, each rank writing its own shards (DCP's format)
     model/                  the whole model in transformers' format (gathered to rank 0): AutoModelForCausalLM loads it
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedModel
 
 from remat.errors import ConfigError
-from remat.recipes.training_state.layout import (
+from remat.training_state.layout import (
     LATEST_FILE,
     LAYOUT_SHARDED,
     MODEL_DIR,
@@ -66,14 +66,14 @@ from remat.recipes.training_state.layout import (
     unwrap_model,
     write_marker,
 )
-from remat.recipes.training_state.data_only import (
+from remat.training_state.data_only import (
     DCP_DIR,
     SafeFileSystemReader,
     UnsafeCheckpointError,
     WeightsOnlyLoadPlanner,
     load_weights_only,
 )
-from remat.recipes.training_state.verify import raise_if_unverified
+from remat.training_state.verify import raise_if_unverified
 
 RNG_DIR = "rng"
 
@@ -148,7 +148,7 @@ def load_sharded_checkpoint(
     assert marker is not None
     if marker.get("layout") != LAYOUT_SHARDED:
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
-                          "remat.recipes.training_state.single.load_checkpoint")
+                          "remat.training_state.single.load_checkpoint")
     train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
     scheduler_state = load_weights_only(path / SCHEDULER_FILE) if lr_scheduler is not None else None
     rng_file = path / RNG_DIR / f"rank_{_rank()}.pt"

@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from remat.errors import ConfigError
-from remat.recipes.training_state.digest import HASH_ALGORITHM, digests
-from remat.recipes.training_state.layout import (
+from remat.training_state.digest import HASH_ALGORITHM, digests
+from remat.training_state.layout import (
     COMPLETE_MARKER,
     LATEST_FILE,
     LAYOUT_SHARDED,
@@ -40,8 +40,8 @@ from remat.recipes.training_state.layout import (
     read_pointer,
     step_directories,
 )
-from remat.recipes.training_state.data_only import DCP_DIR, metadata_problem
-from remat.recipes.training_state.oom_notes import NOTE_PREFIX
+from remat.training_state.data_only import DCP_DIR, metadata_problem
+from remat.training_state.oom_notes import NOTE_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ mid-run is safe. The table covers every key of the current schema (a test enforc
 from a checkpoint of another remat version; refusing it would make such checkpoints impossible to resume for a key the
 user may not even be able to set.
 
-The table (`remat.recipes.resume_rules`) also defines a run's identity (`identity_digest`): the refused keys, whose
+The table (`remat.recipes.run_safety.resume_rules`) also defines a run's identity (`identity_digest`): the refused keys, whose
 values make a different run.
 """
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from remat.errors import ConfigError
-from remat.recipes.resume_rules import (
+from remat.recipes.run_safety.resume_rules import (
     _SCHEDULE_KEYS,
     APPLIED,
     COMPATIBLE,
@@ -211,7 +211,7 @@ def _reshard(plan: ResumePlan, saved: Mapping[str, Any] | None, batches: Statefu
 
 
 def _read_train_state(checkpoint: Path) -> dict[str, Any] | None:
-    from remat.recipes.training_state.layout import TRAIN_STATE_FILE
+    from remat.training_state.layout import TRAIN_STATE_FILE
 
     try:
         state = json.loads((checkpoint / TRAIN_STATE_FILE).read_text())

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from remat.recipes.training_state.layout import atomic_write_text
+from remat.training_state.layout import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

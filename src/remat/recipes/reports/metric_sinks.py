@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from remat._files import write_atomic
 from remat.errors import ConfigError
 from remat.recipes.config import LoggingConfig, WandbConfig
-from remat.recipes.output_paths import WANDB_ID_FILE
+from remat.recipes.run_safety.output_paths import WANDB_ID_FILE
 
 
 

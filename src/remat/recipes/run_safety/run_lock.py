@@ -33,7 +33,7 @@ import torch.distributed as dist
 from remat._files import open_append
 from remat.errors import ConfigError
 from remat.recipes.config import RecipeConfig
-from remat.recipes.output_paths import LOCK_FILE
+from remat.recipes.run_safety.output_paths import LOCK_FILE
 
 try:
     import fcntl

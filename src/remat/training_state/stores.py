@@ -1,12 +1,7 @@
-"""Saved training state (model, optimizer, schedule, data position, RNG), so that a run survives interruption.
-
-Not activation checkpointing (that is `remat.checkpointing`). One interface, `TrainingStateStore` (``save`` /
-``load``), with two implementations behind it: `SingleFileState` (``single`` and ``ddp``: one process writes the
-whole state, `remat.recipes.training_state.single`) and `ShardedState` (``fsdp2``: every rank writes its shards with
-torch.distributed.checkpoint, `remat.recipes.training_state.sharded`). Both follow the directory protocol of
-`remat.recipes.training_state.layout` (``step_<N>`` directories, a completion marker, the ``latest`` pointer).
-`state_store` picks the store for a run; `store_for_saved` the store that reads a saved directory.
-"""
+"""The stores behind one interface, `TrainingStateStore` (``save`` / ``load``): `SingleFileState` (``single`` and
+``ddp``: one process writes the whole state, `remat.training_state.single`) and `ShardedState` (``fsdp2``: every
+rank writes its shards with torch.distributed.checkpoint, `remat.training_state.sharded`). `state_store` picks the
+store for a run; `store_for_saved` the store that reads a saved directory."""
 
 from __future__ import annotations
 
@@ -17,16 +12,14 @@ from torch import nn
 
 from remat.distributed import DistributedSetup
 from remat.errors import ConfigError
-from remat.recipes.training_state.layout import (
+from remat.training_state.layout import (
     LAYOUT_SHARDED,
     checkpoint_layout,
     checkpoint_name,
-    find_latest_checkpoint,
 )
-from remat.recipes.training_state.sharded import load_sharded_checkpoint, save_sharded_checkpoint
-from remat.recipes.training_state.single import load_checkpoint, save_checkpoint
+from remat.training_state.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from remat.training_state.single import load_checkpoint, save_checkpoint
 
-__all__ = ["TrainingStateStore", "find_latest_checkpoint"]
 
 
 class TrainingStateStore(Protocol):
