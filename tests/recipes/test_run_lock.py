@@ -165,3 +165,25 @@ def test_without_flock_the_run_goes_on_with_a_warning(tmp_path: Path, monkeypatc
 def run_recipe(recipe: dict[str, object], **kwargs: object) -> tuple[FinetuneRecipe, object]:
     job = FinetuneRecipe(validate_recipe(recipe), **kwargs)  # type: ignore[arg-type]
     return job, job.run()
+
+
+def test_an_auto_run_is_refused_before_planning_when_another_run_holds_its_directory(
+        tmp_path: Path, holders: list[Holder], capsys: pytest.CaptureFixture[str]) -> None:
+    """`remat finetune` writes the run's plan file (auto_plan.json) into output_dir: never while another run holds
+    it, and never for --print-config."""
+    import yaml
+
+    from remat.cli import main
+
+    recipe = tiny_recipe(tmp_path, step_scheduler={"max_steps": 1},
+                         distributed={"device": "cpu", "activation_checkpointing": {"mode": "auto",
+                                                                                     "memory_budget": "1GiB"}})
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    output_dir = Path(recipe["output_dir"])
+    assert main(["finetune", str(path), "--print-config"]) == 0
+    assert "plan:" in capsys.readouterr().out and not (output_dir / "auto_plan.json").exists()
+    holders.append(Holder(output_dir))
+    assert main(["finetune", str(path)]) == 2
+    assert f"output_dir: {output_dir.resolve()} is in use by another run" in capsys.readouterr().err
+    assert not (output_dir / "auto_plan.json").exists()

@@ -79,8 +79,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         from remat.planner.handoff import planned_recipe
 
         launcher = options.requested and not under_torchrun()
+        writes = not args.print_config and (launcher or os.environ.get("RANK", "0") == "0")
+        if writes and not under_torchrun():  # the plan file goes in the run's directories: not while another run
+            refuse_if_held(run_directories(cfg))  # holds them (a worker's peers may hold them already: same run)
         world_size = (options.num_processes() if launcher else None) or int(os.environ.get("WORLD_SIZE", "1"))
-        cfg = planned_recipe(cfg, world_size=world_size, writes=launcher or os.environ.get("RANK", "0") == "0")
+        cfg = planned_recipe(cfg, world_size=world_size, writes=writes)
         if args.print_config:
             return _print_config(cfg)
     if check_launch_environment(options):
