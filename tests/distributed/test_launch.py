@@ -232,7 +232,8 @@ def test_a_master_port_in_use_is_one_line_before_launching(capsys: pytest.Captur
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc (Linux)")
 def test_a_rank_whose_peer_dies_says_so_in_one_line(tmp_path: Path, remat_cache: Path) -> None:
-    """kill -9 of rank 1: rank 0's next collective fails; it says so in one line (no traceback) and exits."""
+    """kill -9 of rank 1: rank 0's next collective fails and it says so in one line, or torchrun stops it first and
+    names the failed rank; no traceback either way, and the run exits non-zero."""
     out = tmp_path / "run"
     launcher = _endless_ddp_run(out)
     try:
@@ -246,7 +247,11 @@ def test_a_rank_whose_peer_dies_says_so_in_one_line(tmp_path: Path, remat_cache:
         assert launcher.wait(timeout=120) != 0
     finally:
         end_tree(launcher.pid)
-    assert "rank 0: another rank's process ended (" in rest, rest[-3000:]
+    # Which comes first is a race: rank 0's next collective failing (it says so in one line), or torchrun noticing
+    # rank 1's death and stopping rank 0 itself (it names the failed rank); on a loaded machine either wins.
+    said = "rank 0: another rank's process ended (" in rest
+    stopped = "closing signal SIGTERM" in rest and "local_rank: 1" in rest and "exitcode: -9" in rest
+    assert said or stopped, rest[-3000:]
     assert "Traceback" not in rest, rest[-3000:]
 
 
