@@ -4,7 +4,6 @@ least predicted recompute that fits each memory budget."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -102,10 +101,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             answers.append(BudgetAnswer(budget, None, str(err)))
     print(report_text(planner, frontier, answers))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report_dict(planner, frontier, answers), indent=2) + "\n")
-        logger.info("wrote %s", path)
+        from remat.commands._output import write_json
+
+        write_json(args.json, report_dict(planner, frontier, answers))
     if args.png:
         step_flops = planner.measurements.step_flops * planner.settings.grad_accumulation
         logger.info("wrote %s", plot_plans(frontier, answers, args.png, step_flops=step_flops))
