@@ -161,12 +161,13 @@ def _check_before_start(data: dict[str, Any], options: Any) -> None:
     world_size = options.num_processes()
     dist = data.get("distributed", {})
     if isinstance(dist, dict) and dist.get("device") == "cpu":
+        from remat.recipes.config import asks_for_auto
+
         setting = dist.get("activation_checkpointing")
-        auto = {"mode": setting} if isinstance(setting, str) else setting
-        if isinstance(auto, dict) and str(auto.get("mode")).strip().lower() == "auto":
+        if asks_for_auto(setting):
             from remat.checkpointing.budget import parse_budget
 
-            budget = auto.get("memory_budget", dist.get("memory_budget"))
+            budget = (setting.get("memory_budget") if isinstance(setting, dict) else None) or dist.get("memory_budget")
             if budget is None:  # planning for the CPU needs a budget: said now, not after measuring the blocks
                 parse_budget(None, device_bytes=None, key="distributed.activation_checkpointing.memory_budget")
     if options.requested and world_size is not None and "LOCAL_RANK" not in os.environ and isinstance(dist, dict):

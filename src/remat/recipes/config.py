@@ -206,7 +206,9 @@ class AutoCheckpointing(StrictModel):
         return "auto" + (f" (planned: {self.plan.describe()})" if self.plan is not None else " (not planned yet)")
 
 
-def _asks_for_auto(value: Any) -> bool:
+def asks_for_auto(value: Any) -> bool:
+    """Whether a value of ``distributed.activation_checkpointing`` asks for the planner: ``auto`` (any case), a
+    mapping whose ``mode`` is ``auto``, or an `AutoCheckpointing`. Needs no torch (the launcher asks before it loads)."""
     if isinstance(value, AutoCheckpointing):
         return True
     if isinstance(value, str):
@@ -215,13 +217,13 @@ def _asks_for_auto(value: Any) -> bool:
 
 
 def _auto_or_policy(value: Any) -> str:
-    return "tagged[auto]" if _asks_for_auto(value) else "tagged[policy]"
+    return "tagged[auto]" if asks_for_auto(value) else "tagged[policy]"
 
 
 def _auto_mapping(value: Any) -> Any:
-    if isinstance(value, str) and _asks_for_auto(value):
+    if isinstance(value, str) and asks_for_auto(value):
         return {"mode": AUTO}
-    if isinstance(value, Mapping) and _asks_for_auto(value):
+    if isinstance(value, Mapping) and asks_for_auto(value):
         return {**value, "mode": AUTO}
     return value
 
@@ -295,7 +297,7 @@ class DistributedConfig(StrictModel):
         moved = {LEGACY_PLANNER_KEYS[key]: data.pop(key) for key in list(data) if key in LEGACY_PLANNER_KEYS}
         old = next(key for key, new in LEGACY_PLANNER_KEYS.items() if new in moved)
         policy = data.get("activation_checkpointing", False)
-        if not _asks_for_auto(policy):
+        if not asks_for_auto(policy):
             shown = policy if not isinstance(policy, CheckpointPolicy) else policy.describe()
             raise ConfigError(f"distributed.{old}: a key of the planner, read only with {_POLICY_KEY}: auto (got "
                               f"{shown!r}); remove it, or plan: {_POLICY_KEY}: {{mode: auto, "
