@@ -1,5 +1,5 @@
 """The planner's throughput calibration: the fit from profiled steps, the file `remat profile --write-calibration`
-writes, and its readers (`remat plan --calibration`, ``distributed.planner_calibration``), which change the
+writes, and its readers (`remat plan --calibration`, ``activation_checkpointing.calibration``), which change the
 planner's FLOP/s and so its predicted recompute seconds; a malformed file is one clear error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The planner choosing the loss (``distributed.planner_loss: choose``, ``loss_choice="choose"``,
+"""The planner choosing the loss (``activation_checkpointing: {mode: auto, loss: choose}``, ``loss_choice="choose"``,
 ``remat plan --loss-choice choose``): fused when only it fits (the real step within budget), plain when the fused
 loss is not faster, ``keep`` unchanged, the recipe path trains with the chosen loss, bad values refused."""
 
