@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from remat.errors import ConfigError
-from remat.units import format_bytes, parse_capacity
+from remat.units import parse_capacity
 
 DEFAULT_MARGIN: Final[float] = 0.10
 """The share of a GPU's memory left out of the default budget (see the module docstring)."""
@@ -67,11 +67,6 @@ class MemoryBudget:
             return cls.parse(int(number), key=key)
         raise ConfigError(f"{key}: got {value!r} of type {type(value).__name__}; {_ALLOWED}")
 
-    @property
-    def is_default(self) -> bool:
-        """No budget given: the device's memory minus `DEFAULT_MARGIN`."""
-        return self.size_bytes is None and self.fraction is None
-
     def resolve(self, device_bytes: int | None, *, key: str = "memory_budget") -> int:
         """The budget in bytes on a device of ``device_bytes`` (None: no device total is known, e.g. planning for
         the CPU, where a fraction or the default is a `ConfigError` naming ``key``)."""
@@ -89,14 +84,6 @@ class MemoryBudget:
     def to_value(self) -> int | float | None:
         """The value `parse` turns back into this budget (how a recipe saved with it spells it)."""
         return self.size_bytes if self.size_bytes is not None else self.fraction
-
-    def describe(self) -> str:
-        """``40.00 GiB``, ``80% of the device's memory`` or ``the device's memory less 10%``."""
-        if self.size_bytes is not None:
-            return format_bytes(self.size_bytes)
-        if self.fraction is not None:
-            return f"{self.fraction:.0%} of the device's memory"
-        return f"the device's memory less {DEFAULT_MARGIN:.0%}"
 
 
 def parse_budget(value: BudgetLike | MemoryBudget, *, device_bytes: int | None, key: str = "memory_budget") -> int:

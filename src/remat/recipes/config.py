@@ -201,10 +201,6 @@ class AutoCheckpointing(StrictModel):
         """This setting with ``plan`` set to ``policy`` (a copy: nothing else is validated again)."""
         return self.model_copy(update={"plan": policy})
 
-    def describe(self) -> str:
-        """``auto`` and what it planned, e.g. ``auto (planned: selective, per-layer: 8-15=none)``."""
-        return "auto" + (f" (planned: {self.plan.describe()})" if self.plan is not None else " (not planned yet)")
-
 
 def asks_for_auto(value: Any) -> bool:
     """Whether a value of ``distributed.activation_checkpointing`` asks for the planner: ``auto`` (any case), a
