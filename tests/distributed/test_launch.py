@@ -65,7 +65,8 @@ def test_existing_torchrun_is_detected_and_not_relaunched() -> None:
      "distributed.strategy: 'single' runs one process, but the launch has 2 (WORLD_SIZE=2)"),
     (["--distributed.dp_size", "4"],
      "distributed.dp_size x tp_size x cp_size = 4 x 1 x 1 = 4, but the launch has 2 processes"),
-    (["--distributed.cp_size", "2"], "distributed.cp_size: got 2; context parallelism is not supported"),
+    (["--distributed.cp_size", "4"],
+     "distributed.dp_size x tp_size x cp_size = 1 x 1 x 4 = 4, but the launch has 2 processes"),
     (["--step_scheduler.global_batch_size", "12"],
      "step_scheduler.global_batch_size: 12 is not local_batch_size (4) x dp_size (2, of 2 processes) x an integer "
      "number of accumulation steps; allowed: a multiple of 8"),

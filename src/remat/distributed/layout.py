@@ -51,9 +51,9 @@ def check_strategy_rules(strategy: str, dp_size: int | None, tp_size: int, cp_si
             if value not in (None, False, 1):
                 raise ConfigError(f"distributed.{name}: {value!r} needs strategy 'fsdp2' (got {strategy!r}); "
                                   f"allowed with {strategy!r}: {allowed}")
-    if cp_size != 1:
-        raise ConfigError(f"distributed.cp_size: got {cp_size}; context parallelism is not supported by remat yet "
-                          "(allowed: 1)")
+    if cp_size != 1 and tp_size != 1:
+        raise ConfigError(f"distributed.cp_size: {cp_size} with tp_size {tp_size}: context and tensor parallelism "
+                          "together are not supported yet; allowed: one of them greater than 1")
 
 
 def world_layout(strategy: str, dp_size: int | None, tp_size: int, cp_size: int, *, world_size: int) -> int:

@@ -7,10 +7,14 @@ Strategies:
   per transformer block, per segment for segment checkpointing, and at the root), optionally with tensor
   parallelism inside the blocks (``tp_size``).
 
+With ``cp_size`` > 1 (``ddp`` or ``fsdp2``) each sequence is also cut over the ranks of a context-parallel group
+(`remat.distributed.context_parallel`): the mesh is ``(dp, cp)``, the ranks of a group read the same batch, and DDP /
+FSDP2 run over all ``dp x cp`` ranks (each holds a share of the global batch: its rows' shard of tokens).
+
 ``parallelize`` applies, in this order: activation checkpointing (it wraps the transformer blocks), tensor
 parallelism, ``fully_shard`` per block then at the root (FSDP2), or the DDP wrapper. Processes are started by
 torchrun (``remat finetune RECIPE --nproc-per-node N``); ``build`` joins the process group from its environment
-(NCCL on CUDA, gloo on the CPU) and lays the ranks out on a device mesh ``(dp, tp)``.
+(NCCL on CUDA, gloo on the CPU) and lays the ranks out on a device mesh ``(dp, tp)`` or ``(dp, cp)``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from remat.checkpointing import (
 )
 from remat.checkpointing.discovery import find_blocks, is_moe_block
 from remat.checkpointing.plan import planned_policy
+from remat.distributed import context_parallel
 from remat.distributed.choices import Strategy
+from remat.distributed.context_parallel import ContextShards
 from remat.distributed.layout import validate_settings
 from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
 from remat.distributed.rendezvous import (INIT_TIMEOUT_S, WATCHDOG_GRACE_S, check_timeouts, setup_deadline,
@@ -52,8 +58,9 @@ logger = logging.getLogger(__name__)
 class DistributedSetup:
     """The parallelism of a run: ``setup = DistributedSetup.build(...)``, then ``model = setup.parallelize(model)``.
 
-    ``dp_size`` x ``tp_size`` x ``cp_size`` = ``world_size``; ranks are laid out ``(dp, tp)`` with the tensor-parallel
-    ranks of a data-parallel replica adjacent (on the same node when the node holds ``tp_size`` ranks or more).
+    ``dp_size`` x ``tp_size`` x ``cp_size`` = ``world_size``; ranks are laid out ``(dp, tp)`` or ``(dp, cp)`` with
+    the tensor- or context-parallel ranks of a data-parallel replica adjacent (on the same node when the node holds
+    that many ranks or more).
     """
 
     strategy: Strategy = "single"
@@ -69,7 +76,12 @@ class DistributedSetup:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None
-    """The device mesh with dimensions ``("dp",)`` or ``("dp", "tp")``; None for ``single``."""
+    """The device mesh with dimensions ``("dp",)``, ``("dp", "tp")`` or ``("dp", "cp")``; None for ``single``."""
+    batch_mesh: DeviceMesh | None = None
+    """The one-dimensional mesh of the ranks that each hold a share of the batch (``dp``, or ``dp x cp`` flattened):
+    DDP and FSDP2 run over it; None for ``single``."""
+    context: ContextShards | None = None
+    """This rank's context-parallel group (``cp_size`` > 1), which cuts each batch's rows; None otherwise."""
     plan: CheckpointPlan | None = None
     root: nn.Module | None = None
     """The module ``parallelize`` returned (the DDP wrapper, or the FSDP2 root)."""
@@ -126,7 +138,13 @@ class DistributedSetup:
             with setup_deadline(init_timeout_s + WATCHDOG_GRACE_S, late):
                 setup.owns_process_group = init_process_group(env, resolved, init_timeout_s=init_timeout_s,
                                                               timeout_s=timeout_s)
-                setup.mesh = _device_mesh(resolved, dp, tp_size)
+                setup.mesh = _device_mesh(resolved, dp, tp_size, cp_size)
+                setup.batch_mesh = setup.mesh["dp"]
+                if cp_size > 1:
+                    # One dimension over dp x cp for DDP and FSDP2 (as TorchTitan's `dp_shard_cp`); made on every rank.
+                    setup.batch_mesh = setup.mesh["dp", "cp"]._flatten("dp_cp")
+                    cp = setup.mesh["cp"]
+                    setup.context = ContextShards(cp.get_group(), cp_size, int(cp.get_local_rank()))
         return setup
 
     # ------------------------------------------------------------------------------------------------ layout
@@ -151,11 +169,19 @@ class DistributedSetup:
         """The process group of the data-parallel ranks (None for ``single``)."""
         return self.mesh["dp"].get_group() if self.mesh is not None else None
 
+    @property
+    def shard_count(self) -> int:
+        """The ranks that each hold their own share of a step's batch, ``dp_size x cp_size``: DDP and FSDP2 average
+        gradients over them."""
+        return self.dp_size * self.cp_size
+
+
     def describe(self) -> str:
         """One line for the run log, e.g. ``fsdp2 over 4 processes (dp 2 x tp 2), backend gloo, device cpu``."""
         if not self.is_distributed:
             return f"single process on {self.device}"
-        layout = f"dp {self.dp_size}" + (f" x tp {self.tp_size}" if self.tp_size > 1 else "")
+        layout = (f"dp {self.dp_size}" + (f" x tp {self.tp_size}" if self.tp_size > 1 else "")
+                  + (f" x cp {self.cp_size}" if self.cp_size > 1 else ""))
         extras = [f"mixed precision {self.mixed_precision}"] if self.mixed_precision else []
         extras += ["cpu offload"] if self.cpu_offload else []
         return (f"{self.strategy} over {self.world_size} process{'es' if self.world_size > 1 else ''} ({layout}), "
@@ -178,6 +204,9 @@ class DistributedSetup:
         if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
             model.to(self.device)  # skipped when already there: `Module.to` cannot run on fake parameters
         policy = parse_policy(self.activation_checkpointing, key="distributed.activation_checkpointing")
+        if self.context is not None:
+            name = context_parallel.enable(model, self.context)
+            logger.info("context parallel: %s, each row cut over %d ranks", name, self.cp_size)
         with planned_policy(self.planned):
             self.plan = apply_activation_checkpointing(model, policy)
         if self.strategy == "single":
@@ -233,7 +262,7 @@ class DistributedSetup:
 
             split = apply_tensor_parallel(_text_config(model), blocks, self.mesh["tp"])
             logger.info("tensor parallel: %d linear layers split over %d ranks", split, self.tp_size)
-        options: dict[str, Any] = {"mesh": self.mesh["dp"]}
+        options: dict[str, Any] = {"mesh": self.batch_mesh}
         if self.mixed_precision is not None:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.mixed_precision),
                                                         reduce_dtype=torch.float32)
@@ -263,8 +292,10 @@ class DistributedSetup:
         except CheckpointingError:
             moe = is_moe_block(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        mesh = self.batch_mesh
+        assert mesh is not None, "ddp has a mesh"
         # Routed experts that receive no token in a step get no gradient: DDP must then look for unused ones.
-        return DistributedDataParallel(top, device_ids=device_ids, process_group=self.dp_group,
+        return DistributedDataParallel(top, device_ids=device_ids, process_group=mesh.get_group(),
                                        find_unused_parameters=moe)
 
     # ------------------------------------------------------------------------------------------------ training
@@ -303,11 +334,21 @@ class DistributedSetup:
                 module.reshard()
 
     def sum_over_dp(self, values: list[float]) -> list[float]:
-        """Element-wise sums of ``values`` over the data-parallel ranks (unchanged for ``single``); float64."""
+        """Element-wise sums of ``values`` over the data-parallel ranks (unchanged for ``single``); float64. For what
+        every rank of a context-parallel group counts alike (the label tokens of its rows)."""
+        return self._sum(values, self.dp_group)
+
+    def sum_over_shards(self, values: list[float]) -> list[float]:
+        """Element-wise sums over the ``dp x cp`` ranks: for what each rank holds its own share of (the loss of its
+        rows' shard of tokens); the same as `sum_over_dp` without context parallelism."""
+        mesh = self.batch_mesh
+        return self._sum(values, mesh.get_group() if mesh is not None else None)
+
+    def _sum(self, values: list[float], group: dist.ProcessGroup | None) -> list[float]:
         if not self.is_distributed:
             return list(values)
         tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.dp_group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return tensor.tolist()
 
     def any_rank(self, flag: bool) -> bool:
@@ -338,14 +379,18 @@ class DistributedSetup:
 
     def close(self) -> None:
         """Leave the process group if ``build`` created it."""
+        if self.context is not None:
+            context_parallel.disable()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_process_group = False
 
 
-def _device_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
+def _device_mesh(device: torch.device, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
+    if cp > 1:
+        return init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     if tp > 1:
         return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))

@@ -101,20 +101,23 @@ class FusedLinearCrossEntropy:
         labels: Tensor,
         bias: Tensor | None = None,
         num_label_tokens: int | float | Tensor | None = None,
+        *,
+        shift: bool = True,
     ) -> Tensor:
         """Return the scalar loss (fp32; fp64 for fp64 inputs) of ``hidden_states [..., T, H]``, ``weight [V, H]``.
 
         ``lm_head_weight`` (and ``bias``) receive gradients like any autograd input: pass the parameter itself
         (a tied input embedding collects both gradients). A DTensor is gathered differentiably when it is replicated
         or lives on one rank; one sharded over several ranks is refused (see ``_gathered``): under FSDP2 call the
-        loss inside the root module's forward, where the weight is already gathered.
+        loss inside the root module's forward, where the weight is already gathered. ``shift=False``: ``labels`` are
+        already next-token targets, one per position (context parallelism's shards).
         """
         hidden, weight, bias, labels = _gathered(hidden_states, lm_head_weight, bias, labels)
         hidden, weight, bias = _autocast_cast(hidden, weight, bias)
         _check_inputs(hidden, weight, bias)
         check_labels(labels, hidden.shape[:-1], "hidden_states")
         vocab_size = weight.shape[0]
-        targets = next_token_targets(labels.to(hidden.device), self.ignore_index)
+        targets = next_token_targets(labels.to(hidden.device), self.ignore_index, shift=shift)
         check_target_range(targets, vocab_size, self.ignore_index)
         rows = (targets != self.ignore_index).nonzero().squeeze(1)
         divisor = loss_divisor(self.reduction, rows.numel(), num_label_tokens)

@@ -40,16 +40,20 @@ class MaskedCrossEntropy:
         return f"MaskedCrossEntropy(ignore_index={self.ignore_index}, reduction={self.reduction!r})"
 
     def __call__(
-        self, logits: Tensor, labels: Tensor, num_label_tokens: int | float | Tensor | None = None
+        self, logits: Tensor, labels: Tensor, num_label_tokens: int | float | Tensor | None = None, *,
+        shift: bool = True,
     ) -> Tensor:
-        """Return the fp32 scalar loss; "mean" divides by ``num_label_tokens`` if given, else by the label count."""
+        """Return the fp32 scalar loss; "mean" divides by ``num_label_tokens`` if given, else by the label count.
+
+        ``shift=False``: ``labels`` are already next-token targets, one per position (context parallelism's shards,
+        `remat.loss.targets.next_token_targets`)."""
         if logits.dim() < 2 or not logits.dtype.is_floating_point:
             raise ConfigError(
                 f"logits: got shape {tuple(logits.shape)} and dtype {logits.dtype}; "
                 "allowed: a floating tensor [..., sequence, vocab]"
             )
         check_labels(labels, logits.shape[:-1], "logits")
-        targets = next_token_targets(labels.to(logits.device), self.ignore_index)
+        targets = next_token_targets(labels.to(logits.device), self.ignore_index, shift=shift)
         check_target_range(targets, logits.shape[-1], self.ignore_index)
         num_valid = int((targets != self.ignore_index).sum())
         divisor = loss_divisor(self.reduction, num_valid, num_label_tokens)

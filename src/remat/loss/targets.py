@@ -36,8 +36,14 @@ def check_labels(labels: Tensor, leading_shape: torch.Size, what: str) -> None:
         raise ConfigError("labels: got a scalar; allowed: a tensor of token ids [..., sequence]")
 
 
-def next_token_targets(labels: Tensor, ignore_index: int) -> Tensor:
-    """Flat int64 targets: ``targets[t] = labels[..., t + 1]``, the last position of every row is ``ignore_index``."""
+def next_token_targets(labels: Tensor, ignore_index: int, *, shift: bool = True) -> Tensor:
+    """Flat int64 targets: ``targets[t] = labels[..., t + 1]``, the last position of every row is ``ignore_index``.
+
+    ``shift=False``: ``labels`` are already each position's target (``labels[..., t]`` is what position ``t``
+    predicts), as context parallelism hands them over: a rank's shard of a row ends with a position whose target is
+    the first token of the next rank's shard, which HF-convention labels of the shard alone cannot say."""
+    if not shift:
+        return labels.long().reshape(-1)
     shifted = torch.nn.functional.pad(labels[..., 1:].long(), (0, 1), value=ignore_index)
     return shifted.reshape(-1)
 

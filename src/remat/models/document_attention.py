@@ -231,6 +231,17 @@ def remat_document_eager(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return _document_attention(_model_eager(module), True, module, query, key, value, attention_mask, **kwargs)
 
 
+def attend_per_document(implementation: str, module: Any, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, *, kernel_owner: nn.Module | None = None, **kwargs: Any
+                        ) -> tuple[torch.Tensor, None]:
+    """Causal attention per document of ``implementation`` (``"sdpa"`` or ``"eager"``) with no mask, for a caller
+    that hands ``module`` in a form of its own (context parallelism's view with fewer key/value groups):
+    ``kernel_owner`` is the attention module whose modelling file gives the eager kernel (``module`` by default)."""
+    eager = implementation == "eager"
+    kernel = _model_eager(kernel_owner if kernel_owner is not None else module) if eager else sdpa_attention_forward
+    return _document_attention(kernel, eager, module, query, key, value, None, **kwargs)
+
+
 AttentionInterface.register(SDPA_NAME, remat_document_sdpa)
 AttentionInterface.register(EAGER_NAME, remat_document_eager)
 

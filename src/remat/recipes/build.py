@@ -58,7 +58,8 @@ def build_training_module(model: nn.Module, cfg: RecipeConfig, setup: Distribute
     module the training step calls. The loss module is the root the wrappers wrap, so the loss (fused: with the
     output head's whole weight) runs inside the wrapper's forward."""
     loss_fn = build_loss(cfg)
-    compute = CausalLMLoss(model, loss_fn, use_hidden_states=loss_input(loss_fn) == "hidden_states")
+    compute = CausalLMLoss(model, loss_fn, use_hidden_states=loss_input(loss_fn) == "hidden_states",
+                           context=setup.context)
     root = setup.parallelize(model, root=compute)
     return root  # type: ignore[return-value]
 

@@ -340,7 +340,7 @@ class FinetuneRecipe:
 
         outcome = retry.attempt(self.step + 1, attempt) if retry is not None else attempt()
         self.step += 1
-        global_loss = self.dist.sum_over_dp([float(outcome.loss)])[0]
+        global_loss = self.dist.sum_over_shards([float(outcome.loss)])[0]
         reading = max_over_ranks(self.memory_meter.last)
         elapsed = time.perf_counter() - start
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dist.dp_size
@@ -367,7 +367,8 @@ class FinetuneRecipe:
             tokens += count_label_tokens(batch["labels"])
         self.dist.reshard()
         self.model.train()
-        total, global_tokens = self.dist.sum_over_dp([total, float(tokens)])
+        total = self.dist.sum_over_shards([total])[0]  # each context-parallel rank holds its shard's loss
+        global_tokens = self.dist.sum_over_dp([float(tokens)])[0]
         return total / max(global_tokens, 1.0), int(global_tokens)
 
     # ------------------------------------------------------------------------------------------------ helpers

@@ -15,9 +15,10 @@ the loss produces is all-reduced.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from remat.data import IGNORE_INDEX
 from remat.errors import ConfigError
 from remat.loss import output_head, verify_output_head
 from remat.recipes.attention_mask import without_redundant_mask
+
+if TYPE_CHECKING:
+    from remat.distributed.context_parallel import ContextShards
 
 MODEL_INPUTS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
 
@@ -49,12 +53,23 @@ class _DecoderAndHead:
 
 class CausalLMLoss(nn.Module):
     """Computes the loss of one micro-batch for a transformers causal LM (optionally peft-wrapped):
-    ``loss = CausalLMLoss(model, loss_fn, use_hidden_states=...)(batch, num_label_tokens=n)``."""
+    ``loss = CausalLMLoss(model, loss_fn, use_hidden_states=...)(batch, num_label_tokens=n)``.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], *, use_hidden_states: bool) -> None:
+    ``context``: this rank's context-parallel group (`remat.distributed.DistributedSetup.context`): each row is cut
+    to this rank's shard of tokens before the model runs, and the loss gets the shard's next-token targets
+    (``shift=False``); the loss is this rank's share, summed over its group by the data-parallel wrapper."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], *, use_hidden_states: bool,
+                 context: ContextShards | None = None) -> None:
         super().__init__()
         self.loss_fn = loss_fn
         self.use_hidden_states = use_hidden_states
+        self.context = context
+        self._blocks_checked = context is None
+        if context is not None and not _takes_shift(loss_fn):
+            raise ConfigError(f"distributed.cp_size: {context.size} needs a loss that takes next-token targets "
+                              f"(a `shift` keyword); {type(loss_fn).__name__} has none; allowed: "
+                              "remat.loss.MaskedCrossEntropy or remat.loss.FusedLinearCrossEntropy")
         base = unwrap_peft(model)
         self.model = model
         if use_hidden_states:
@@ -82,12 +97,40 @@ class CausalLMLoss(nn.Module):
         # a right-padding mask changes nothing for a causal LM but would make transformers build [tokens, tokens]
         inputs: dict[str, Any] = without_redundant_mask({k: batch[k] for k in MODEL_INPUTS if k in batch})
         labels = batch["labels"]
+        extra: dict[str, Any] = {}
+        context = self.context
+        calls_before = context.attention_calls if context is not None else 0
+        if context is not None:
+            inputs, labels = context.shard(inputs, labels, ignore_index=getattr(self.loss_fn, "ignore_index",
+                                                                                 IGNORE_INDEX))
+            extra["shift"] = False
         if self.use_hidden_states:
             hidden = self.decoder(**inputs, use_cache=False).last_hidden_state
+            self._check_blocks(calls_before)
             # Read inside forward: under FSDP2 the root has gathered the whole weight by now.
             head = output_head(self._parts.base)
             if head.hidden_scale != 1.0:
                 hidden = hidden * head.hidden_scale
-            return self.loss_fn(hidden, head.weight, labels, bias=head.bias, num_label_tokens=num_label_tokens)
+            return self.loss_fn(hidden, head.weight, labels, bias=head.bias, num_label_tokens=num_label_tokens,
+                                **extra)
         logits = self.model(**inputs, use_cache=False).logits
-        return self.loss_fn(logits, labels, num_label_tokens=num_label_tokens)
+        self._check_blocks(calls_before)
+        return self.loss_fn(logits, labels, num_label_tokens=num_label_tokens, **extra)
+
+    def _check_blocks(self, calls_before: int) -> None:
+        """Context parallelism, first forward: every block ran the split attention (no layer saw only its shard)."""
+        if self._blocks_checked or self.context is None:
+            return
+        from remat.checkpointing.discovery import find_blocks
+        from remat.distributed.context_parallel import check_every_block_attends
+
+        check_every_block_attends(self.context, calls_before, len(find_blocks(self.model).blocks))
+        self._blocks_checked = True
+
+
+def _takes_shift(loss_fn: Callable[..., torch.Tensor]) -> bool:
+    try:
+        parameters = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "shift" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

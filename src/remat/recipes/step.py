@@ -76,9 +76,10 @@ def train_step(
     ``max_norm`` None measures the norm without clipping. ``mark`` is called with each phase's name as it starts
     (the estimate records its phases with it).
     """
-    # DDP and FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share of the global sum
-    # (divided by the global label-token count), so scaling by dp_size turns that average into the sum.
-    grad_scale = float(setup.dp_size)
+    # DDP and FSDP2 average gradients over the ranks holding a share of the batch (dp x cp); each rank's loss is its
+    # share of the global sum (divided by the global label-token count), so scaling by their number turns that
+    # average into the sum.
+    grad_scale = float(setup.shard_count)
     device_type = micro_batches[0]["input_ids"].device.type
     total_loss: torch.Tensor | None = None
     count = len(micro_batches)

@@ -1,0 +1,88 @@
+"""Context-parallel cases shared by the test and the worker torchrun starts (`cp_worker.py`): the same tiny models,
+the same packed batch, the loss and the gradients of one forward+backward.
+
+The batch's documents cross every shard boundary for ``cp_size`` 2 and 4 (rows of 30 tokens: padded to 32 under
+``cp_size`` 4), and the two rows are cut differently, so document-wise attention meets non-uniform rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: name -> (model, policy, fused loss, strategy, cp_size); the world size is the one the worker runs on.
+CASES_2: dict[str, tuple[str, Any, bool, str, int]] = {
+    "llama-none-plain-ddp": ("llama", False, False, "ddp", 2),
+    "llama-full-fused-ddp": ("llama", "full", True, "ddp", 2),
+    "llama-selective-plain-fsdp2": ("llama", "selective", False, "fsdp2", 2),
+    "qwen3-none-fused-fsdp2": ("qwen3", False, True, "fsdp2", 2),
+    "qwen3-full-plain-ddp": ("qwen3", "full", False, "ddp", 2),
+    "qwen3-selective-fused-ddp": ("qwen3", "selective", True, "ddp", 2),
+    "llama-attention-eager-ddp": ("llama-eager", "attention", False, "ddp", 2),
+}
+CASES_4: dict[str, tuple[str, Any, bool, str, int]] = {
+    "qwen3-full-fused-ddp-cp4": ("qwen3", "full", True, "ddp", 4),  # 2 key/value heads over 4 ranks: repeated
+    "llama-selective-plain-ddp-cp4": ("llama", "selective", False, "ddp", 4),
+    "llama-full-fused-fsdp2-dp2xcp2": ("llama", "full", True, "fsdp2", 2),
+    "qwen3-none-plain-fsdp2-dp2xcp2": ("qwen3", False, False, "fsdp2", 2),
+}
+ROWS = 2
+
+
+def tiny_model(kind: str) -> torch.nn.Module:
+    """A 2-layer float32 Llama (4 heads, 2 key/value heads) or Qwen3 (8 heads, 2 key/value heads), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from remat.models.document_attention import use_document_attention
+
+    torch.manual_seed(0)
+    common = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_key_value_heads": 2, "attn_implementation": "eager" if kind.endswith("eager") else "sdpa"}
+    if kind.startswith("llama"):
+        model = LlamaForCausalLM(LlamaConfig(num_attention_heads=4, **common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(num_attention_heads=8, head_dim=8, **common))
+    use_document_attention(model, "auto", packed=True)
+    return model.float()
+
+
+def packed_batch() -> dict[str, torch.Tensor]:
+    """Two rows of 30 tokens: documents of 5, 13 and 12 tokens, and of 9 and 21; each document's first token has
+    no label."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 97, (ROWS, 30), generator=generator)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ((5, 13, 12), (9, 21))])
+    labels = input_ids.clone()
+    labels[positions == 0] = -100
+    return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
+
+
+def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: int) -> dict[str, Any]:
+    """One forward+backward of the batch: the summed loss and every parameter's full gradient (on every rank).
+    ``strategy`` "single" is the one-process reference; otherwise a torchrun worker's share, rows split over the
+    data-parallel ranks."""
+    from remat.distributed import DistributedSetup
+    from remat.loss import FusedLinearCrossEntropy, MaskedCrossEntropy
+    from remat.recipes.model_loss import CausalLMLoss
+
+    model = tiny_model(kind)
+    batch = packed_batch()
+    label_tokens = int((batch["labels"][:, 1:] != -100).sum())
+    setup = DistributedSetup.build(strategy=strategy, activation_checkpointing=policy, cp_size=cp_size,  # type: ignore[arg-type]
+                                   device="cpu")
+    if setup.dp_size > 1:
+        rows = ROWS // setup.dp_size
+        batch = {k: v[setup.dp_rank * rows:(setup.dp_rank + 1) * rows] for k, v in batch.items()}
+    loss_fn = FusedLinearCrossEntropy() if fused else MaskedCrossEntropy()
+    compute = CausalLMLoss(model, loss_fn, use_hidden_states=fused, context=setup.context)
+    root = setup.parallelize(model, root=compute)
+    loss = root(batch, num_label_tokens=label_tokens)
+    (loss * setup.shard_count).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).tolist()
+    report = {"loss": setup.sum_over_shards([float(loss.detach())])[0], "grads": grads,
+              "describe": setup.describe()}
+    return report  # the worker's process group stays up for the next case, which enables its own context group
