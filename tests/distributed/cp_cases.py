@@ -20,6 +20,9 @@ CASES_2: dict[str, tuple[str, Any, bool, str, int]] = {
     "qwen3-full-plain-ddp": ("qwen3", "full", False, "ddp", 2),
     "qwen3-selective-fused-ddp": ("qwen3", "selective", True, "ddp", 2),
     "llama-attention-eager-ddp": ("llama-eager", "attention", False, "ddp", 2),
+    "llama-tiled-offload-fused-fsdp2": ("llama", {"mode": "full", "tiled": True, "tile_tokens": 4, "offload": True},
+                                        True, "fsdp2", 2),
+    "qwen3-sqrt-plain-ddp": ("qwen3", "sqrt", False, "ddp", 2),
 }
 CASES_4: dict[str, tuple[str, Any, bool, str, int]] = {
     "qwen3-full-fused-ddp-cp4": ("qwen3", "full", True, "ddp", 4),  # 2 key/value heads over 4 ranks: repeated

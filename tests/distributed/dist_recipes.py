@@ -36,12 +36,12 @@ def reference_key(case: str) -> tuple[bool, bool]:
 
 
 def tiny_recipe(output_dir: Path, *, strategy: str = "single", checkpointing: Any = False, fused: bool = False,
-                tied: bool = True, tp_size: int = 1, max_steps: int = 4, device: str = "cpu",
+                tied: bool = True, tp_size: int = 1, cp_size: int = 1, max_steps: int = 4, device: str = "cpu",
                 **sections: Any) -> dict[str, Any]:
     """A recipe of 2-layer, hidden-64 Llama steps over global batches of 8 rows of 32 tokens (2 accumulation steps
-    per rank: local batch 2 on each of 2 data-parallel ranks, 4 in a single process). On the CPU (gloo) unless
-    ``device`` says otherwise, GPUs or not."""
-    data_parallel = WORLD_SIZE // tp_size if strategy != "single" else 1
+    per rank: local batch 2 on each of 2 data-parallel ranks, 4 in a single process or on 2 context-parallel ranks).
+    On the CPU (gloo) unless ``device`` says otherwise, GPUs or not."""
+    data_parallel = WORLD_SIZE // (tp_size * cp_size) if strategy != "single" else 1
     model = copy.deepcopy(TINY_MODEL)
     model["config"]["tie_word_embeddings"] = tied
     if fused:
@@ -59,7 +59,7 @@ def tiny_recipe(output_dir: Path, *, strategy: str = "single", checkpointing: An
         "lr_scheduler": {"warmup_steps": 1},
         "loss_fn": {"_target_": "remat.loss.FusedLinearCrossEntropy" if fused else "remat.loss.MaskedCrossEntropy"},
         "distributed": {"strategy": strategy, "activation_checkpointing": checkpointing, "tp_size": tp_size,
-                        "device": device},
+                        "cp_size": cp_size, "device": device},
         "logging": {"progress": "plain"},
         "checkpoint": {"enabled": False},
     }

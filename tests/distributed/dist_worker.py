@@ -4,7 +4,8 @@ Modes: ``parity`` trains every case of ``PARITY_CASES`` and records losses, grad
 parameters are sharded, then trains with the FSDP2 options the recipe schema does not expose (deferred gradient
 reduction, bf16 mixed precision, CPU offload) through the Python API; ``resume`` trains a run straight, and the same
 run crashing after its step-4 checkpoint and resumed, for fsdp2 and ddp, and stops a run from one rank; ``nccl`` trains
-a few parity cases on 2 GPUs; ``corrupt`` resumes past a corrupted fsdp2 shard. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
+a few parity cases on 2 GPUs; ``corrupt`` resumes past a corrupted fsdp2 shard; ``context`` trains
+``CONTEXT_CASES`` with ``cp_size`` 2 and resumes a crashed ``cp_size`` 2 run with ``cp_size`` 2 and with 1. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
 writes ``<mode>_rank<r>.json`` into OUT_DIR; the tests read and judge them.
 """
 
@@ -166,6 +167,38 @@ def resume(out: Path) -> dict[str, Any]:
     return report
 
 
+#: name -> (strategy, checkpointing, fused loss, tied embeddings), each with cp_size 2 over the 2 ranks (dp 1).
+CONTEXT_CASES: dict[str, tuple[str, Any, bool, bool]] = {
+    "ddp-cp2-full": ("ddp", "full", False, True),
+    "fsdp2-cp2-selective-fused": ("fsdp2", "selective", True, False),
+}
+
+
+def context(out: Path) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    for name, (strategy, checkpointing, fused, tied) in CONTEXT_CASES.items():
+        _, result = train(tiny_recipe(out / name, strategy=strategy, checkpointing=checkpointing, fused=fused,
+                                      tied=tied, cp_size=2))
+        report[name] = curve(result)
+
+    def recipe(name: str, cp_size: int = 2) -> dict[str, Any]:
+        return tiny_recipe(out / name, strategy="fsdp2", checkpointing="full", cp_size=cp_size, max_steps=6,
+                           step_scheduler={"ckpt_every_steps": 2, "val_every_steps": 3},
+                           checkpoint={"enabled": True, "keep_last": 3})
+
+    _, straight = train(recipe("straight"))
+    report["straight"] = curve(straight)
+    for name, cp_size in (("resumed-cp2", 2), ("resumed-cp1", 1)):
+        try:
+            train(recipe(name), callbacks=[crash_at(5)])
+            raise AssertionError("the crash callback did not fire")
+        except Crash:
+            pass
+        job, resumed = train(recipe(name, cp_size))
+        report[name] = {**curve(resumed), "resumed_from": str(job.resumed_from), "describe": job.dist.describe()}
+    return report
+
+
 def corrupt_shard(out: Path) -> dict[str, Any]:
     """fsdp2 checkpoints step_2 and step_4, then one byte of rank 1's DCP shard of step_4 changed (same size): the
     next run skips step_4 on every rank (rank 0 verifies, all follow) and continues from step_2."""
@@ -218,7 +251,8 @@ def nccl(out: Path) -> dict[str, Any]:
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard}[mode](out)
+    report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard,
+              "context": context}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     leave_process_group()
 

@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 import torch
 from cp_cases import CASES_2, CASES_4, loss_and_grads
-from launches import HERE, run_torchrun
+from dist_recipes import tiny_recipe
+from dist_worker import CONTEXT_CASES
+from launches import HERE, run_torchrun, run_worker
+
+from remat.recipes.finetune import FinetuneRecipe
+from remat.recipes.loader import validate_recipe
 
 pytestmark = pytest.mark.distributed
 
@@ -58,3 +63,47 @@ def test_context_parallel_equals_one_process(world: int, case: str, reports: dic
         _assert_same(report[case], references[(kind, fused)], case)
     layout = f"dp {world // cp_size} x cp {cp_size}"
     assert layout in reports[world][0][case]["describe"]
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory: pytest.TempPathFactory, remat_cache: Path) -> list[dict[str, Any]]:
+    return run_worker("context", tmp_path_factory.mktemp("context"))
+
+
+@pytest.mark.parametrize("case", list(CONTEXT_CASES))
+def test_a_context_parallel_recipe_trains_like_one_process(case: str, recipe_runs: list[dict[str, Any]],
+                                                           tmp_path_factory: pytest.TempPathFactory,
+                                                           remat_cache: Path) -> None:
+    """4 steps of ``cp_size`` 2 (losses, gradient norms, validation) against the same recipe in one process."""
+    _, checkpointing, fused, tied = CONTEXT_CASES[case]
+    reference = FinetuneRecipe(validate_recipe(tiny_recipe(tmp_path_factory.mktemp("single"), fused=fused,
+                                                           tied=tied))).run()
+    for report in recipe_runs:
+        got = report[case]
+        assert got["tokens"] == [r.num_label_tokens for r in reference.records]
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor([r.loss for r in reference.records]),
+                                   rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(got["grad_norm"]),
+                                   torch.tensor([r.grad_norm for r in reference.records]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor([loss for _, loss in got["validation"]]),
+                                   torch.tensor([loss for _, loss in reference.validation]), rtol=1e-5, atol=0)
+
+
+def test_a_crashed_context_parallel_run_resumes_exactly(recipe_runs: list[dict[str, Any]]) -> None:
+    for report in recipe_runs:
+        straight, resumed = report["straight"], report["resumed-cp2"]
+        assert resumed["resumed_from"].endswith("step_4") and resumed["steps"] == [5, 6]
+        assert resumed["loss"] == straight["loss"][4:] and resumed["grad_norm"] == straight["grad_norm"][4:]
+
+
+def test_a_context_parallel_checkpoint_resumes_with_another_cp_size(recipe_runs: list[dict[str, Any]]) -> None:
+    """Saved with dp 1 x cp 2, resumed with dp 2 x cp 1 (the same global batch): the same curve, to the order of
+    sums."""
+    for report in recipe_runs:
+        straight, resumed = report["straight"], report["resumed-cp1"]
+        assert "(dp 2)," in resumed["describe"]
+        assert resumed["resumed_from"].endswith("step_4") and resumed["steps"] == [5, 6]
+        torch.testing.assert_close(torch.tensor(resumed["loss"]), torch.tensor(straight["loss"][4:]),
+                                   rtol=1e-5, atol=0)

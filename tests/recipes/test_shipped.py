@@ -30,7 +30,7 @@ def test_a_name_finds_the_shipped_recipe_from_any_directory(tmp_path: Path, monk
     (tmp_path / "quickstart").write_text("model: {preset: tiny-llama}\n")  # a file of that name wins
     assert find_recipe("quickstart") == Path("quickstart")
     with pytest.raises(ConfigError, match=r"recipe 'nosuch' not found: not a file, nor a shipped recipe; shipped: "
-                                          r"ddp_quickstart, fsdp2_quickstart, llama_3_2_1b_seed, long_context, quickstart"):
+                                          r"ddp_quickstart, fsdp2_quickstart, llama_3_2_1b_seed, long_context, long_context_cp, quickstart"):
         find_recipe("nosuch")
 
 

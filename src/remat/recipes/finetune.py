@@ -412,7 +412,9 @@ class FinetuneRecipe:
         reporter.info(f"distributed: {self.dist.describe()}")
         reporter.info(f"data: {len(self.train_data)} rows of {cfg.dataset.seq_length} tokens; global batch "
                       f"{cfg.step_scheduler.global_batch_size} = local {cfg.step_scheduler.local_batch_size} x dp "
-                      f"{self.dist.dp_size} x accumulation {self.grad_accumulation}")
+                      f"{self.dist.dp_size} x accumulation {self.grad_accumulation}"
+                      + (f"; each row cut over cp {self.dist.cp_size} ranks ({-(-cfg.dataset.seq_length // self.dist.cp_size)} "
+                         "tokens each)" if self.dist.cp_size > 1 else ""))
         plan = self.dist.plan
         has_plan = plan is not None and len(plan) > 0
         reporter.info("activation checkpointing: " + (plan.table() if has_plan else "off"))

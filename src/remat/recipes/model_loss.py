@@ -68,8 +68,8 @@ class CausalLMLoss(nn.Module):
         self._blocks_checked = context is None
         if context is not None and not _takes_shift(loss_fn):
             raise ConfigError(f"distributed.cp_size: {context.size} needs a loss that takes next-token targets "
-                              f"(a `shift` keyword); {type(loss_fn).__name__} has none; allowed: "
-                              "remat.loss.MaskedCrossEntropy or remat.loss.FusedLinearCrossEntropy")
+                              f"(a `shift` keyword); {getattr(loss_fn, '__name__', type(loss_fn).__name__)} has none; "
+                              "allowed: remat.loss.MaskedCrossEntropy or remat.loss.FusedLinearCrossEntropy")
         base = unwrap_peft(model)
         self.model = model
         if use_hidden_states:
