@@ -89,3 +89,26 @@ def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: 
     report = {"loss": setup.sum_over_shards([float(loss.detach())])[0], "grads": grads,
               "describe": setup.describe()}
     return report  # the worker's process group stays up for the next case, which enables its own context group
+
+
+#: name -> (checkpointing, loss class): DDP recipes with cp_size 2 whose tracked step peak the estimate must equal.
+MEMORY_CASES: dict[str, tuple[Any, str]] = {
+    "none-plain": (False, "MaskedCrossEntropy"),
+    "full-plain": ("full", "MaskedCrossEntropy"),
+    "selective-fused": ("selective", "FusedLinearCrossEntropy"),
+}
+
+
+def memory_recipe(output_dir: str, checkpointing: Any, loss: str) -> dict[str, Any]:
+    """2 layers of tiny-llama, packed rows of 64 tokens, DDP over 2 ranks that share each row (cp_size 2), memory
+    tracked; 2 steps (the second has the optimizer state)."""
+    return {
+        "output_dir": output_dir,
+        "model": {"preset": "tiny-llama", "config": {"num_hidden_layers": 2}},
+        "dataset": {"seq_length": 64},
+        "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2, "max_steps": 2},
+        "loss_fn": {"_target_": f"remat.loss.{loss}"},
+        "distributed": {"strategy": "ddp", "cp_size": 2, "activation_checkpointing": checkpointing, "device": "cpu"},
+        "checkpoint": {"enabled": False},
+        "logging": {"memory": "tracked", "progress": "plain", "metrics_file": None},
+    }

@@ -3,7 +3,7 @@
 Tiny Llama (4 heads, 2 key/value heads) and Qwen3 (8 heads, 2 key/value heads: repeated under ``cp_size`` 4) models,
 packed rows whose documents cross every shard boundary (document-wise attention), rows that must be padded to a
 multiple of 4, no / full / selective / attention-only checkpointing, the plain and the fused loss, DDP and FSDP2,
-and ``dp 2 x cp 2``. Stated tolerance: loss and every gradient within 1e-6 relative (to the gradient's largest
+and ``dp 2 x cp 2``; recipes trained, resumed and estimated with ``cp_size`` 2. Stated tolerance: loss and every gradient within 1e-6 relative (to the gradient's largest
 element) in float32; what is left is the order of floating-point sums across ranks (measured: about 4e-7).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from cp_cases import CASES_2, CASES_4, loss_and_grads
+from cp_cases import CASES_2, CASES_4, MEMORY_CASES, loss_and_grads, memory_recipe
 from dist_recipes import tiny_recipe
 from dist_worker import CONTEXT_CASES
 from launches import HERE, run_torchrun, run_worker
@@ -28,9 +28,10 @@ pytestmark = pytest.mark.distributed
 RTOL = 1e-6
 
 
-def _launch(world: int, out: Path) -> list[dict[str, Any]]:
-    run_torchrun([str(HERE / "cp_worker.py"), str(world), str(out)], nproc=world)
-    return [json.loads((out / f"cp{world}_rank{rank}.json").read_text()) for rank in range(world)]
+def _launch(world: int, out: Path, mode: str | None = None) -> list[dict[str, Any]]:
+    mode = mode or str(world)
+    run_torchrun([str(HERE / "cp_worker.py"), mode, str(out)], nproc=world)
+    return [json.loads((out / f"cp{mode}_rank{rank}.json").read_text()) for rank in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,25 @@ def test_a_context_parallel_checkpoint_resumes_with_another_cp_size(recipe_runs:
         assert resumed["resumed_from"].endswith("step_4") and resumed["steps"] == [5, 6]
         torch.testing.assert_close(torch.tensor(resumed["loss"]), torch.tensor(straight["loss"][4:]),
                                    rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ estimate
+
+@pytest.fixture(scope="module")
+def measured_peaks(tmp_path_factory: pytest.TempPathFactory, remat_cache: Path) -> list[dict[str, Any]]:
+    return _launch(2, tmp_path_factory.mktemp("cpmem"), "mem")
+
+
+@pytest.mark.parametrize("case", list(MEMORY_CASES))
+def test_the_estimate_equals_each_context_parallel_ranks_tracked_peak(case: str, tmp_path: Path,
+                                                                      measured_peaks: list[dict[str, Any]]) -> None:
+    """The CPU estimate of a ``cp_size`` 2 recipe (one rank: its shard, the all-to-all buffers, full-sequence
+    attention for half the heads) equals the tracked peak of step 2 on each of the 2 ranks, to the byte."""
+    from remat.estimate.api import estimate_memory, settings_from_recipe
+
+    checkpointing, loss = MEMORY_CASES[case]
+    cfg = validate_recipe(memory_recipe(str(tmp_path), checkpointing, loss))
+    model, settings = settings_from_recipe(cfg, target="cpu", documents_per_row=2, world_size=2)
+    assert (settings.cp_size, settings.data_parallel) == (2, 1)
+    estimate = estimate_memory(model, settings)
+    assert [report[case] for report in measured_peaks] == [estimate.peak_bytes] * 2

@@ -22,7 +22,7 @@ preset or a config.json; options override the recipe's settings.
   remat estimate --config path/to/config.json --compare --setting policy=sqrt --setting batch_size=16,loss=fused
 --compare prints one row per setting side by side: none, selective and full checkpointing, each with the plain and
 the fused loss, then one row per --setting. A --setting is KEY=VALUE[,KEY=VALUE...] over the option names below
-(batch_size, seq_length, dtype, autocast, policy, loss, optimizer, strategy, world_size, mixed_precision,
+(batch_size, seq_length, dtype, autocast, policy, loss, optimizer, strategy, world_size, cp_size, mixed_precision,
 grad_accumulation, documents_per_row, target); values are read as YAML. Without --compare, one --setting may adjust
 the single estimate. Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
 --longest answers instead the longest sequence whose predicted peak fits --fits, per setting (with --compare
@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 _FLAGS: tuple[tuple[str, str], ...] = (
     ("batch_size", "batch_size"), ("seq_length", "seq_length"), ("dtype", "dtype"), ("autocast", "autocast"),
     ("policy", "policy"), ("loss", "loss"), ("optimizer", "optimizer"), ("strategy", "strategy"),
-    ("world_size", "world_size"), ("mixed_precision", "mixed_precision"), ("grad_accumulation", "grad_accumulation"),
+    ("world_size", "world_size"), ("cp_size", "cp_size"), ("mixed_precision", "mixed_precision"),
+    ("grad_accumulation", "grad_accumulation"),
     ("documents_per_row", "documents_per_row"), ("target", "target"),
 )
 
@@ -78,7 +79,9 @@ def register(subparsers: Any) -> None:
                                                                  "linear cross-entropy")
     step.add_argument("--optimizer", help="optimizer class (default torch.optim.AdamW)")
     step.add_argument("--strategy", choices=STRATEGIES, help="single, ddp or fsdp2")
-    step.add_argument("--world-size", type=int, help="data-parallel ranks (ddp / fsdp2)")
+    step.add_argument("--world-size", type=int, help="processes (ddp / fsdp2): data-parallel x context-parallel ranks")
+    step.add_argument("--cp-size", type=int, help="context-parallel ranks sharing each row (the estimate is one "
+                                                 "rank's); alone it means fsdp2 over that many processes")
     step.add_argument("--mixed-precision", choices=MIXED_PRECISION,
                       help="FSDP2 compute dtype of the gathered parameters (fsdp2 only)")
     step.add_argument("--grad-accumulation", type=int, help="micro-batches per optimizer step")
@@ -112,6 +115,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     check_arguments(args)
     model, base = _base(args, overrides)
+    base = _with_context_parallel(args, base)
     rows = _rows(args, base)
     if args.longest and capacity is not None:
         if args.compare:
@@ -173,6 +177,18 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
         raise ConfigError("model: give a recipe, --preset NAME or --config PATH (see `remat estimate --help`)")
     model = resolve_model(args.preset or args.config)
     return model, dataclasses.replace(StepSettings(), **flags)
+
+
+def _with_context_parallel(args: argparse.Namespace, settings: Any) -> Any:
+    """``--cp-size N`` on a one-process step: FSDP2 over N processes, one row cut over all of them (said)."""
+    if not args.cp_size or args.cp_size == 1 or settings.strategy != "single" or args.strategy:
+        return settings
+    world_size = args.world_size or args.cp_size
+    logger.info("--cp-size %d: fsdp2 over %d processes (dp %d x cp %d); give --strategy / --world-size to change it",
+                args.cp_size, world_size, world_size // args.cp_size, args.cp_size)
+    changed = dataclasses.replace(settings, strategy="fsdp2", world_size=world_size)
+    changed.validate()
+    return changed
 
 
 def _flag_value(name: str, value: Any) -> Any:

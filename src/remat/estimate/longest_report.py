@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from remat.estimate.report import _columns, gib
+from remat.estimate.report import _columns, describe_parallel, gib
 
 if TYPE_CHECKING:
     from remat.estimate.longest import LongestAnswer
@@ -41,7 +41,8 @@ def longest_table(answers: Sequence[LongestAnswer], *, model: str = "") -> str:
         precision = f"{s.dtype}" + (f", autocast {s.autocast}" if s.autocast else "")
         lines.append(f"longest sequence whose predicted peak fits {gib(answers[0].capacity_bytes)} GiB: "
                      f"{model + '; ' if model else ''}batch {s.batch_size}; {precision}; "
-                     f"optimizer {s.optimizer.rsplit('.', 1)[-1]}; {s.strategy}; modelled for {s.target.upper()}")
+                     f"optimizer {s.optimizer.rsplit('.', 1)[-1]}; {describe_parallel(s, shard=False)}; modelled for "
+                     f"{s.target.upper()}")
     lines.append(_columns(_HEADER, rows, left=frozenset({0, 5, 6})))
     lines.append("extrapolated: from three estimates at shorter lengths (per phase, peak = fixed + per token x "
                  "length); confirmed: a direct estimate at the answer fits and one granularity step more does not")

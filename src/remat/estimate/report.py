@@ -12,6 +12,7 @@ from remat.estimate.replay import ESTIMATE_CATEGORIES
 
 if TYPE_CHECKING:
     from remat.estimate.api import MemoryEstimate
+    from remat.estimate.settings import StepSettings
 
 GIB: Final[int] = 2**30
 _COLORS: Final[dict[str, str]] = {
@@ -38,7 +39,7 @@ def describe_settings(estimate: MemoryEstimate) -> str:
         precision += f", autocast {s.autocast}"
     if s.mixed_precision:
         precision += f", FSDP compute in {s.mixed_precision}"
-    parallel = s.strategy if s.strategy == "single" else f"{s.strategy} over {s.world_size} ranks"
+    parallel = describe_parallel(s)
     accumulation = f", {s.grad_accumulation} micro-batches per step" if s.grad_accumulation > 1 else ""
     lora = (f"; LoRA ({estimate.trainable_parameters:,} of {estimate.parameters:,} parameters trained)"
             if s.peft is not None else "")
@@ -171,3 +172,15 @@ def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: frozens
                          for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def describe_parallel(s: StepSettings, *, shard: bool = True) -> str:
+    """``single``, ``fsdp2 over 8 ranks``, or with context parallelism ``fsdp2 over 8 ranks (dp 1 x cp 8: one rank's
+    peak, its 8192-token shard of each row)`` (``shard`` False leaves the shard's length out)."""
+    if s.strategy == "single":
+        return "single"
+    text = f"{s.strategy} over {s.world_size} ranks"
+    if s.cp_size > 1:
+        cut = f", its {-(-s.seq_length // s.cp_size)}-token shard of each row" if shard else ""
+        text += f" (dp {s.data_parallel} x cp {s.cp_size}: one rank's peak{cut})"
+    return text

@@ -26,6 +26,10 @@ Details that make the fake step the real one:
   reducer's gradient buckets are added from the start of the step: DDP keeps one flat buffer per bucket (the first of
   1 MiB, the others of 25 MiB, filled in reverse parameter order as `dist._compute_bucket_assignment_by_size` does)
   for the whole run, next to the ``.grad`` tensors (``gradient_as_bucket_view=False``, the default).
+- ``cp_size`` > 1: the step of the first rank of a context-parallel group, over a fake process group of the whole
+  ``dp x cp`` launch: its shard of each row, the all-to-all buffers of every attention call (their meta kernels give
+  the shapes) and full-sequence attention for ``heads / cp_size`` heads. The ranks of a group differ only in which
+  of their tokens carry a label (the fused loss keeps a row index per label token), a few bytes.
 - Offloading policies run the recipe's own `remat.checkpointing.offload.OffloadActivations` hooks
   (`remat.estimate.offload`): its host copies are counted as host memory (``StepTrace.host_peak``), not in the
   device figures.
@@ -46,6 +50,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
+from remat._logs import quiet_log
 from remat.data import IGNORE_INDEX
 from remat.distributed import DistributedSetup
 from remat.distributed.layout import world_layout
@@ -207,10 +212,11 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     strategy = recipe.distributed.strategy
-    with _process_group(strategy, run.world_size), _private_sharding_fake_mode():
-        setup = simulation_setup(recipe, run.world_size, mesh=_mesh(strategy, run.world_size))
+    cp_size = recipe.distributed.cp_size
+    with _process_group(strategy, run.world_size, cp_size), _private_sharding_fake_mode():
+        setup = simulation_setup(recipe, run.world_size, mesh=_mesh(strategy, run.world_size, cp_size))
         net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
-        with fake:
+        with fake, quiet_log("remat.distributed.setup"):  # the context-parallel line is the real run's to say
             root = build_training_module(net, recipe, setup)
         if setup.plan is not None:
             trace.notes.append(f"activation checkpointing: {setup.plan.summary()}")
@@ -274,10 +280,9 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     if run.target not in TARGETS:
         raise ConfigError(f"target: got {run.target!r}; allowed: {', '.join(TARGETS)}")
     d = recipe.distributed
-    for name in ("tp_size", "cp_size"):
-        if getattr(d, name) != 1:
-            raise ConfigError(f"distributed.{name}: {getattr(d, name)} is not modelled by the estimate; "
-                              "allowed: 1 (data parallelism only)")
+    if d.tp_size != 1:
+        raise ConfigError(f"distributed.tp_size: {d.tp_size} is not modelled by the estimate; allowed: 1 (data and "
+                          "context parallelism only)")
     world_layout(d.strategy, d.dp_size, d.tp_size, d.cp_size, world_size=run.world_size)
     if d.cpu_offload:
         raise ConfigError("distributed.cpu_offload: true keeps FSDP2's state in host memory, which the estimate does "
@@ -287,10 +292,11 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
         raise ConfigError(f"documents_per_row: {run.documents_per_row} documents do not fit a row of {seq_length} "
                           f"tokens; allowed: 1 to {seq_length // 2}")
     sched = recipe.step_scheduler
-    accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * run.world_size)
+    data_parallel = run.world_size // d.cp_size
+    accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * data_parallel)
     if rest or accumulation < 1:
         raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-                          f"({sched.local_batch_size}) x world size ({run.world_size}) x an integer")
+                          f"({sched.local_batch_size}) x data-parallel ranks ({data_parallel}) x an integer")
     text_config = resolve_model_config(recipe.model).get_text_config()  # the layers (the vocabulary is not needed)
     check_simulated_sizes(batch_size=sched.local_batch_size, seq_length=seq_length, grad_accumulation=accumulation,
                           world_size=run.world_size, num_layers=getattr(text_config, "num_hidden_layers", None))
@@ -300,13 +306,24 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
 def simulation_setup(recipe: RecipeConfig, world_size: int, *, mesh: Any = None,
                      device: torch.device | None = None) -> DistributedSetup:
     """The recipe's `DistributedSetup` for one rank of ``world_size``, without joining a process group: FSDP2 runs
-    over ``mesh`` (a fake process group's); DDP is simulated without its wrapper (see the module docstring)."""
+    over ``mesh`` (a fake process group's); DDP is simulated without its wrapper (see the module docstring); with
+    ``cp_size`` > 1 the rank is the first of its context-parallel group, over the mesh's ``cp`` dimension."""
     d = recipe.distributed
-    return DistributedSetup(strategy="single" if d.strategy == "ddp" else d.strategy,
-                            activation_checkpointing=d.policy, planned=d.auto is not None, dp_size=world_size,
-                            world_size=world_size, mixed_precision=d.mixed_precision,
-                            fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch,
-                            device=device or torch.device("cpu"), mesh=mesh)
+    setup = DistributedSetup(strategy="single" if d.strategy == "ddp" else d.strategy,
+                             activation_checkpointing=d.policy, planned=d.auto is not None,
+                             dp_size=world_size // d.cp_size, cp_size=d.cp_size, world_size=world_size,
+                             mixed_precision=d.mixed_precision,
+                             fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch,
+                             device=device or torch.device("cpu"))
+    if d.cp_size > 1 and mesh is not None:
+        from remat.distributed.context_parallel import ContextShards
+
+        setup.context = ContextShards(mesh["cp"].get_group(), d.cp_size, 0)
+        setup.mesh, setup.batch_mesh = (mesh, mesh["dp", "cp"]._flatten("dp_cp")) if d.strategy == "fsdp2" else (
+            None, None)
+    elif mesh is not None:
+        setup.mesh, setup.batch_mesh = mesh, mesh["dp"]
+    return setup
 
 
 def make_batch(recipe: RecipeConfig, run: SimulatedRun, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -344,12 +361,15 @@ def _add_ddp_buckets(trace: StepTrace, trainable: list[nn.Parameter]) -> None:
                        "held for the whole run")
 
 
-def _mesh(strategy: str, world_size: int) -> Any:
-    """FSDP2's data-parallel mesh over the fake process group (outside the fake mode: it reads its rank tensor)."""
-    if strategy != "fsdp2":
-        return None
+def _mesh(strategy: str, world_size: int, cp_size: int = 1) -> Any:
+    """FSDP2's data-parallel mesh, or the ``(dp, cp)`` mesh of context parallelism, over the fake process group
+    (outside the fake mode: it reads its rank tensor)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if cp_size > 1:
+        return init_device_mesh("cpu", (world_size // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+    if strategy != "fsdp2":
+        return None
     return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
 
 
@@ -359,9 +379,9 @@ def _local_numel(tensor: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def _process_group(strategy: str, world_size: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks (this process is rank 0) for FSDP2."""
-    if strategy != "fsdp2":
+def _process_group(strategy: str, world_size: int, cp_size: int = 1) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks (this process is rank 0) for FSDP2 and context parallelism."""
+    if strategy != "fsdp2" and cp_size == 1:
         yield
         return
     if dist.is_initialized():
