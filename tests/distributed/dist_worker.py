@@ -169,6 +169,7 @@ def resume(out: Path) -> dict[str, Any]:
 
 #: name -> (strategy, checkpointing, fused loss, tied embeddings), each with cp_size 2 over the 2 ranks (dp 1).
 CONTEXT_CASES: dict[str, tuple[str, Any, bool, bool]] = {
+    "ddp-cp2-auto": ("ddp", {"mode": "auto", "memory_budget": 2_800_000}, False, True),  # planned per rank
     "ddp-cp2-full": ("ddp", "full", False, True),
     "fsdp2-cp2-selective-fused": ("fsdp2", "selective", True, False),
 }
@@ -177,9 +178,15 @@ CONTEXT_CASES: dict[str, tuple[str, Any, bool, bool]] = {
 def context(out: Path) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for name, (strategy, checkpointing, fused, tied) in CONTEXT_CASES.items():
-        _, result = train(tiny_recipe(out / name, strategy=strategy, checkpointing=checkpointing, fused=fused,
-                                      tied=tied, cp_size=2))
-        report[name] = curve(result)
+        cfg = validate_recipe(tiny_recipe(out / name, strategy=strategy, checkpointing=checkpointing, fused=fused,
+                                          tied=tied, cp_size=2))
+        if cfg.distributed.auto is not None:  # each rank plans alike, before any process group exists
+            from remat.planner import plan_recipe_auto
+
+            cfg, _ = plan_recipe_auto(cfg, world_size=2)
+        job = FinetuneRecipe(cfg)
+        result = job.run()
+        report[name] = {**curve(result), "plan": cfg.distributed.policy.describe()}
 
     def recipe(name: str, cp_size: int = 2) -> dict[str, Any]:
         return tiny_recipe(out / name, strategy="fsdp2", checkpointing="full", cp_size=cp_size, max_steps=6,

@@ -83,6 +83,8 @@ def test_a_context_parallel_recipe_trains_like_one_process(case: str, recipe_run
                                                            tied=tied))).run()
     for report in recipe_runs:
         got = report[case]
+        if case.endswith("auto"):  # planned for 2.8 MB per rank (none needs 3.2): checkpointed, and the peak fits
+            assert got["plan"] != "none" and max(got["mem"]) <= 2_800_000, (got["plan"], got["mem"])
         assert got["tokens"] == [r.num_label_tokens for r in reference.records]
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor([r.loss for r in reference.records]),
                                    rtol=1e-5, atol=0)

@@ -8,6 +8,14 @@ as in training, inside a `LiveTensorTracker` (bytes) and torch's ``FlopCounterMo
 (same class, parameter shapes, attention type and KV-sharing role) cost the same, so a 16-layer Llama measures one
 block. The bytes are those of the step the estimate simulates (same dtype, autocast and attention kernel: the CUDA
 kernel for ``target="cuda"``).
+
+NOTE [ block costs under context parallelism ]
+With ``cp_size`` N a rank runs each block on its ``1/N`` shard of the tokens, and inside attention on all tokens of
+``1/N`` of the heads: every term of a block's kept bytes and FLOPs (the projections and MLP per token, attention per
+head over the whole row) is ``1/N`` of the whole row's. The block is measured on the whole row in one process (no
+process group is needed) and its costs divided by N: the planner's per-rank share. What a candidate policy's step
+peaks at is priced by the estimate, which simulates the real rank (`remat.estimate.simulate`), so the budget check
+does not rest on this division.
 """
 
 from __future__ import annotations
@@ -129,10 +137,12 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
     batch = make_batch(recipe, run, vocab)
     calls = _capture_calls(net, [group[0] for group in groups], batch, fake, run)
     compute_dtype = _compute_dtype(recipe)
+    share = recipe.distributed.cp_size  # NOTE [ block costs under context parallelism ]
     kinds = []
     for group in groups:
         first = group[0]
-        raw = _measure_kind(net, first, calls[first.index], fake, run, compute_dtype)
+        raw = {mode: tuple(value // share for value in costs)
+               for mode, costs in _measure_kind(net, first, calls[first.index], fake, run, compute_dtype).items()}
         base_flops = raw["none"][1]
         kinds.append(BlockKind(
             name=_kind_name(first, len(groups)),
@@ -142,7 +152,7 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
             flops=base_flops, is_moe=first.is_moe,
         ))
     hidden = int(net.config.get_text_config().hidden_size)
-    tokens = recipe.step_scheduler.local_batch_size * recipe.dataset.seq_length
+    tokens = recipe.step_scheduler.local_batch_size * recipe.dataset.seq_length // share
     return BlockMeasurements(
         block_names=tuple(block.name for block in search.blocks), kinds=tuple(kinds),
         head_flops=6 * tokens * hidden * vocab, seconds=time.perf_counter() - start,
