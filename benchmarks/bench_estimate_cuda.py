@@ -71,8 +71,9 @@ def build_step(model_name: str, settings: StepSettings, device: torch.device) ->
     """Model (seeded weights), checkpointing and loss module, optimizer and batch of ``settings`` on ``device``."""
     recipe = settings.to_recipe(resolve_model(model_name))
     torch.manual_seed(0)
-    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
-                                   device=device)
+    d = recipe.distributed  # single, or a torchrun worker's layout (bench_context_parallel.py)
+    setup = DistributedSetup.build(strategy=d.strategy, activation_checkpointing=d.activation_checkpointing,
+                                   dp_size=d.dp_size, cp_size=d.cp_size, device=device)
     net = build_recipe_model(recipe, vocab_size=settings.vocab_size, device=str(device))
     root = build_training_module(net, recipe, setup)
     params = list(net.parameters())
