@@ -122,8 +122,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             rows = longest_rows(rows, len(COMPARE_POLICIES) * len(COMPARE_LOSSES))
         return run_longest(args, model, rows, capacity)
     estimates = []
-    for label, settings in rows:
-        logger.info("estimating %s", label or settings.describe())
+    if len(rows) > 1:
+        logger.info("%d estimates to make, one per setting", len(rows))
+    for index, (label, settings) in enumerate(rows, 1):
+        logger.info("estimating %s%s", label or settings.describe(), f" ({index} of {len(rows)})" if len(rows) > 1 else "")
         estimate = estimate_memory(model, settings, label=label)
         logger.info("%s: peak %.2f GiB (%.1f s)", estimate.name, estimate.peak_bytes / 2**30, estimate.seconds)
         estimates.append(estimate)

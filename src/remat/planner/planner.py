@@ -115,8 +115,8 @@ class Planner:
                 # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
                 warnings.simplefilter("ignore", CheckpointingWarning)
                 estimate = estimate_recipe(self.recipe.with_checkpointing(policy), settings, model=self._model_name)
-            logger.info("planner: %s -> predicted peak %.2f GiB (%.1f s)", policy.describe(),
-                        estimate.peak_bytes / GIB, estimate.seconds)
+            logger.info("planner: %s -> predicted peak %s (%.1f s)", policy.describe(),
+                        format_bytes(estimate.peak_bytes), estimate.seconds)
             self._estimates[key] = estimate
         return self._estimates[key]
 

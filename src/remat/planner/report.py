@@ -68,7 +68,7 @@ def report_text(planner: Planner, frontier: Sequence[Candidate], answers: Sequen
         *candidate_rows(frontier, m.step_flops * s.grad_accumulation, fits=False),
     ]
     for answer in answers:
-        lines += ["", f"budget {answer.budget_bytes / GIB:.2f} GiB:"]
+        lines += ["", f"budget {format_bytes(answer.budget_bytes)}:"]
         if answer.plan is None:
             lines.append(f"  nothing fits: {answer.error}")
             continue

@@ -184,12 +184,12 @@ def candidate_rows(candidates: Sequence[Candidate], step_flops: int, *, chosen: 
                    fits: bool = True) -> list[str]:
     """A table of candidates ordered by recompute FLOPs; the ``chosen`` policy is marked ``*``; ``fits`` adds
     whether each fits the budget it was priced for."""
-    rows = [("", "candidate", "policy", "peak GiB", "recompute TFLOP", "overhead", "fits")]
+    rows = [("", "candidate", "policy", "peak", "recompute", "overhead", "fits")]
     for c in sorted(candidates, key=lambda c: (c.recompute_flops, c.peak_bytes)):
         mark = "*" if chosen is not None and c.policy == chosen else ""
         overhead = f"+{100 * c.recompute_flops / step_flops:.1f}%" if step_flops else "-"
-        rows.append((mark, c.label, c.policy.describe(), f"{c.peak_bytes / GIB:.2f}",
-                     f"{c.recompute_flops / 1e12:.3f}", overhead, "yes" if c.fits else "no"))
+        rows.append((mark, c.label, c.policy.describe(), format_bytes(c.peak_bytes),
+                     format_flops(c.recompute_flops), overhead, "yes" if c.fits else "no"))
     return _columns(rows if fits else [row[:-1] for row in rows])
 
 
