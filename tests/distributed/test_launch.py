@@ -67,6 +67,9 @@ def test_existing_torchrun_is_detected_and_not_relaunched() -> None:
      "distributed.dp_size x tp_size x cp_size = 4 x 1 x 1 = 4, but the launch has 2 processes"),
     (["--distributed.cp_size", "4"],
      "distributed.dp_size x tp_size x cp_size = 1 x 1 x 4 = 4, but the launch has 2 processes"),
+    (["--distributed.cp_size", "2", "--model.config.num_attention_heads", "1", "--model.config.num_key_value_heads",
+      "1", "--step_scheduler.local_batch_size", "8"],
+     "distributed.cp_size: 2 must divide the model's attention heads (1); allowed: a divisor of 1"),
     (["--step_scheduler.global_batch_size", "12"],
      "step_scheduler.global_batch_size: 12 is not local_batch_size (4) x dp_size (2, of 2 processes) x an integer "
      "number of accumulation steps; allowed: a multiple of 8"),

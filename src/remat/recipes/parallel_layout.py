@@ -1,5 +1,6 @@
-"""A recipe against the number of processes it runs on (strategy, parallel sizes, batch sizes, peft), without torch:
-the launcher checks it before any worker starts, each worker again before it builds anything."""
+"""A recipe against the number of processes it runs on (strategy, parallel sizes, batch sizes, peft), without torch
+(but for ``cp_size`` > 1, whose heads are read from the model's config): the launcher checks it before any worker
+starts, each worker again before it builds anything."""
 
 from __future__ import annotations
 
@@ -24,4 +25,18 @@ def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]
             f"({sched.local_batch_size}) x dp_size ({dp_size}, of {world_size} processes) x an integer number of "
             f"accumulation steps; allowed: a multiple of {per_step}"
         )
+    if d.cp_size > 1:
+        _check_context_heads(cfg)
     return dp_size, sched.global_batch_size // per_step
+
+
+def _check_context_heads(cfg: RecipeConfig) -> None:
+    """``cp_size`` must divide the attention heads (read from the model's config: no weights)."""
+    from remat.models.build import resolve_model_config
+
+    config = resolve_model_config(cfg.model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % cfg.distributed.cp_size:
+        raise ConfigError(f"distributed.cp_size: {cfg.distributed.cp_size} must divide the model's attention heads "
+                          f"({heads}); allowed: a divisor of {heads}")
