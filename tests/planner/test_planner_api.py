@@ -16,7 +16,9 @@ import yaml
 from remat.checkpointing import CheckpointPolicy, apply_activation_checkpointing, parse_policy
 from remat.errors import ConfigError
 from remat.checkpointing.budget import DEFAULT_MARGIN, parse_budget
-from remat.planner import ActivationPlan, plan_recipe_auto
+from remat.estimate import StepSettings
+from remat.models import ModelConfig
+from remat.planner import ActivationPlan, Planner, plan_recipe_auto
 from remat.planner import plan_activation_checkpointing
 from remat.planner.choose import Assignment, assign, cheapest_saving, frontier, policy_of
 from remat.planner.measure import BlockKind, BlockMeasurements, ModeCost
@@ -126,6 +128,15 @@ def test_nothing_fits_names_the_smallest_plan_and_what_would_help() -> None:
                                           r"\(full\) needs \d\d\d MiB predicted\. What would help: a smaller "
                                           r"micro-batch .*FSDP.*the fused loss"):
         plan_activation_checkpointing("tiny-llama", memory_budget=2**20, batch_size=4, seq_length=512, target="cpu")
+
+
+def test_a_budget_below_every_plan_is_refused_after_one_estimate() -> None:
+    """Below the floor (full's peak less one block's activations) the planner prices full only, not every
+    candidate, before saying nothing fits."""
+    planner = Planner(ModelConfig(preset="tiny-llama"), StepSettings(batch_size=4, seq_length=512, target="cpu"))
+    with pytest.raises(ConfigError, match="nothing fits 1.00 MiB; the smallest plan \\(full\\)"):
+        planner.plan(2**20)
+    assert len(planner._estimates) == 1
 
 
 def _recipe_file(tmp_path: Path, **distributed: Any) -> Path:

@@ -143,6 +143,7 @@ class Planner:
         nothing fits, saying what the smallest plan needs and what would help."""
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise ConfigError(f"memory_budget: got {budget_bytes!r}; allowed: a number of bytes >= 1")
+        self._refuse_below_floor(budget_bytes)
         tried = self._search(budget_bytes)
         fitting = [c for c in tried if c.fits]
         best = min(fitting, key=self._seconds) if fitting else None
@@ -159,6 +160,19 @@ class Planner:
         if best is None:
             raise self._nothing_fits(budget_bytes, candidates)
         return self._result(best, budget_bytes, candidates)
+
+    def _refuse_below_floor(self, budget_bytes: int) -> None:
+        """Say "nothing fits" after one estimate (two or three on a GPU: the offloaded policies) when the budget is
+        below what any plan can reach: the full policy's peak less one block's activations without checkpointing
+        (a per-layer mix peaks at most that much below full: only where the last block's recompute meets the
+        loss). Above that floor the search runs as usual."""
+        full = self._candidate("full", uniform(self.measurements, "full"), budget_bytes, is_uniform=True)
+        largest_block = max((kind.cost("none").kept_bytes for kind in self.measurements.kinds), default=0)
+        if full.fits or budget_bytes >= full.peak_bytes - largest_block:
+            return
+        floor = [full, *self._offloaded_candidates(None, budget_bytes, True)]
+        if not any(candidate.fits for candidate in floor):
+            raise self._nothing_fits(budget_bytes, floor, uniforms=False)
 
     def _search(self, budget_bytes: int) -> list[Candidate]:
         none = self._candidate("none", uniform(self.measurements, "none"), budget_bytes, is_uniform=True)
@@ -263,9 +277,11 @@ class Planner:
             host_bandwidth=self.host_bandwidth, loss=short_loss(self.settings.loss),
         )
 
-    def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate]) -> ConfigError:
-        smallest = min([*candidates, *self.uniform_candidates(budget_bytes)],
-                       key=lambda c: (c.peak_bytes, c.recompute_flops))
+    def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate], *, uniforms: bool = True) -> ConfigError:
+        """The error naming the smallest of ``candidates`` (and of every uniform policy, priced now, unless
+        ``uniforms`` is False: below the floor, full is the smallest) and what would help."""
+        priced = self.uniform_candidates(budget_bytes) if uniforms else []
+        smallest = min([*candidates, *priced], key=lambda c: (c.peak_bytes, c.recompute_flops))
         s = self.settings
         helps = []
         if s.batch_size > 1:

@@ -320,10 +320,15 @@ class FinetuneRecipe:
         self._stop_reason = reason
 
     def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop; all ranks then stop after the same step (and save together)."""
-        if self.dist.any_rank(self._stop_reason is not None) and self._stop_reason is None:
+        """Whether any rank was asked to stop; all ranks then stop after the same step (and save together).
+
+        The answer is the collective's, never a second read of ``_stop_reason``: a signal handled between the two
+        would make this rank stop while its peers, told "no" by the same collective, train on (the two then wait in
+        different collectives until torchrun kills them)."""
+        agreed = self.dist.any_rank(self._stop_reason is not None)
+        if agreed and self._stop_reason is None:
             self._stop_reason = "stop requested on another rank"
-        return self._stop_reason is not None
+        return agreed
 
     def _train_step(self) -> StepRecord:
         start = time.perf_counter()
