@@ -39,7 +39,7 @@ from remat.recipes.config import RecipeConfig
 from remat.planner.advice import moe_selective_note
 from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
-from remat.planner.result import GIB, ActivationPlan, BlockChoice, Candidate
+from remat.planner.result import ActivationPlan, BlockChoice, Candidate
 from remat.units import format_bytes
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from remat._logs import warn_once
 from remat.errors import ConfigError, RematError
 from remat.loss.contract import loss_input
 from remat.recipes.config import LossConfig, RecipeConfig, TargetConfig
+from remat.recipes.nemo import from_nemo, is_nemo_recipe
 from remat.recipes.shipped import find_recipe
 from remat.recipes.targets import PROVIDED_ARGS, SECTION_KINDS, check_kwargs, resolve_target
 
@@ -238,6 +239,10 @@ def load_recipe_data(path: str | Path,
     """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (some mistakes are said from it
     before torch is imported: `remat.commands.finetune`)."""
     data = read_yaml(path)
+    if is_nemo_recipe(data):  # NeMo AutoModel's llm_finetune spelling: mapped key by key, or refused with the remat one
+        data, said = from_nemo(data)
+        for line in said:
+            logger.info("NeMo AutoModel recipe: %s", line)
     _refuse_runner_only_keys(data, path)
     pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
              else list(overrides))

@@ -1,0 +1,298 @@
+"""A recipe written for NeMo AutoModel's ``llm_finetune``, read as remat's own: key by key mapped where remat has the
+meaning (one info line each), or refused with what to write instead. No torch: it runs on the recipe's mapping before
+validation (`remat.recipes.loader.load_recipe_data`).
+
+A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or it has a section only NeMo writes
+(`NEMO_SECTIONS`). What maps:
+
+- ``model._target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained`` (or ``.from_config``): the model's
+  other keys as they are; ``torch_dtype`` is ``model.dtype`` (``bf16`` -> ``bfloat16``); ``backend`` (NeMo's kernels)
+  is dropped: remat runs transformers' attention;
+- ``loss_fn._target_``: NeMo's ``MaskedCrossEntropy`` and ``FusedLinearCrossEntropy`` are remat's of the same names;
+- ``distributed``: ``_target_`` (``FSDP2Manager``, ``DDPManager``) is the strategy, ``dp_size: none`` is null,
+  ``pp_size`` / ``ep_size`` 1 and ``sequence_parallel: false`` are dropped (anything else is refused);
+  ``distributed_config.activation_checkpointing`` is the policy;
+- ``dist_env.timeout_minutes`` -> ``distributed.timeout_s``; ``rng.seed`` -> ``seed``;
+- ``packed_sequence.packed_sequence_size`` N > 0 -> ``dataset.packing: true`` with ``seq_length: N`` (0: packing off);
+- ``dataloader`` / ``validation_dataloader``: ``shuffle`` -> the dataset's; the loader and collate classes are
+  remat's own;
+- ``checkpoint``: ``model_save_format: safetensors`` and ``save_consolidated`` are what remat writes anyway;
+- ``lr_scheduler``: ``lr_decay_style`` -> ``decay``, ``lr_warmup_steps`` -> ``warmup_steps``, ``min_lr`` ->
+  ``min_lr_ratio`` (over ``optimizer.lr``);
+- ``peft`` (NeMo's ``PeftConfig``): ``dim`` -> ``r``, ``alpha`` -> ``lora_alpha``, ``dropout`` -> ``lora_dropout``,
+  ``match_all_linear: true`` -> ``target_modules: all-linear``;
+- ``wandb`` -> ``logging.wandb``; ``recipe``, ``ci`` and ``compile: {enabled: false}`` are dropped.
+
+Refused, each in one line with the remat spelling: NeMo dataset classes (they fetch from the Hugging Face Hub inside
+NeMo's code; remat reads files), ``step_scheduler.num_epochs`` without ``max_steps``, ``compile.enabled: true``, and
+any other ``_target_`` of ``nemo_automodel``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Final
+
+from remat.errors import ConfigError
+
+NEMO_PREFIX: Final[str] = "nemo_automodel"
+#: Top-level sections only NeMo AutoModel recipes have.
+NEMO_SECTIONS: Final[tuple[str, ...]] = ("dist_env", "rng", "packed_sequence", "dataloader", "validation_dataloader",
+                                         "recipe", "distributed_config")
+_LOSSES: Final[dict[str, str]] = {
+    "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy": "remat.loss.MaskedCrossEntropy",
+    "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy": "remat.loss.FusedLinearCrossEntropy",
+}
+_MODEL_TARGETS: Final[tuple[str, ...]] = ("nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
+                                          "nemo_automodel.NeMoAutoModelForCausalLM.from_config",
+                                          "nemo_automodel._transformers.NeMoAutoModelForCausalLM.from_pretrained")
+_STRATEGIES: Final[dict[str, str]] = {"FSDP2Manager": "fsdp2", "DDPManager": "ddp", "FSDP2Config": "fsdp2",
+                                      "DDPConfig": "ddp"}
+_DTYPES: Final[dict[str, str]] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16",
+                                  "fp16": "float16", "float16": "float16", "torch.float16": "float16",
+                                  "fp32": "float32", "float32": "float32", "torch.float32": "float32"}
+_DATASET_HELP: Final[str] = (
+    "remat reads training data from files: save the split once with the datasets library "
+    "(load_dataset(NAME, split=SPLIT).save_to_disk(DIR)) or as JSONL, and write {key}: {{path: DIR, format: "
+    "prompt_completion (with prompt_field / completion_field), messages or text}}")
+
+
+def is_nemo_recipe(data: Mapping[str, Any]) -> bool:
+    """Whether ``data`` reads as a NeMo AutoModel recipe (see the module docstring)."""
+    return any(key in data for key in NEMO_SECTIONS) or any(
+        isinstance(target, str) and target.startswith(NEMO_PREFIX) for target in _targets(data))
+
+
+def from_nemo(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``data`` in remat's spelling and one line per key mapped or dropped; `ConfigError` with one line per key that
+    cannot be read (what to write instead)."""
+    out: dict[str, Any] = copy.deepcopy(dict(data))
+    said: list[str] = []
+    refused: list[str] = []
+    for step in (_top_level, _model, _loss, _distributed, _data, _checkpoint, _schedules, _peft):
+        step(out, said, refused)
+    leftover = [f"{key}: {target!r}" for key, target in _targets_with_keys(out)
+                if isinstance(target, str) and target.startswith(NEMO_PREFIX)]
+    refused += [f"{item} is NeMo AutoModel's own class, which remat has no counterpart for; remove it or use a remat "
+                "target (see docs/recipes.md, 'Coming from NeMo AutoModel')" for item in leftover]
+    if refused:
+        raise ConfigError("a NeMo AutoModel recipe with keys remat cannot read as written:\n" + "\n".join(refused))
+    return out, said
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+def _top_level(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    for key in ("recipe", "ci"):
+        if out.pop(key, None) is not None:
+            said.append(f"{key}: dropped (remat finetune is the recipe)" if key == "recipe" else f"{key}: dropped")
+    rng = out.pop("rng", None)
+    if isinstance(rng, Mapping) and "seed" in rng:
+        out.setdefault("seed", rng["seed"])
+        said.append(f"rng.seed {rng['seed']} -> seed (remat seeds Python, NumPy and torch alike on every rank)")
+    dist_env = out.pop("dist_env", None)
+    if isinstance(dist_env, Mapping):
+        minutes = dist_env.get("timeout_minutes")
+        if minutes is not None:
+            _section(out, "distributed")["timeout_s"] = float(minutes) * 60
+            said.append(f"dist_env.timeout_minutes {minutes} -> distributed.timeout_s {float(minutes) * 60:g}")
+        if "backend" in dist_env:
+            said.append(f"dist_env.backend {dist_env['backend']!r}: dropped (remat uses NCCL on GPUs, gloo on CPUs)")
+    compile_section = out.pop("compile", None)
+    if isinstance(compile_section, Mapping) and compile_section.get("enabled"):
+        refused.append("compile.enabled: true is NeMo's torch.compile of the whole model; remat does not compile "
+                       "the model (the fused loss compiles its own chunks on CUDA); remove the section")
+    wandb = out.pop("wandb", None)
+    if isinstance(wandb, Mapping):
+        kept = {k: v for k, v in wandb.items() if k in ("project", "entity", "name", "tags", "mode")}
+        _section(out, "logging")["wandb"] = kept
+        said.append("wandb -> logging.wandb" + (" (save_dir dropped)" if "save_dir" in wandb else ""))
+
+
+def _model(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    model = out.get("model")
+    if not isinstance(model, dict):
+        return
+    target = model.pop("_target_", None)
+    if target is not None:
+        if target not in _MODEL_TARGETS:
+            refused.append(f"model._target_: {target!r} is not a model remat builds; allowed: "
+                           "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained, or remat's model keys "
+                           "(pretrained_model_name_or_path, preset, config)")
+        else:
+            said.append(f"model._target_ {target.rsplit('.', 2)[-2]}.{target.rsplit('.', 1)[-1]} -> remat's own "
+                        "model build (transformers' AutoModelForCausalLM)")
+    if "torch_dtype" in model:
+        dtype = str(model.pop("torch_dtype"))
+        if dtype not in _DTYPES:
+            refused.append(f"model.torch_dtype: got {dtype!r}; allowed: {', '.join(sorted(set(_DTYPES)))}")
+        else:
+            model["dtype"] = _DTYPES[dtype]
+            said.append(f"model.torch_dtype {dtype} -> model.dtype {_DTYPES[dtype]}")
+    if model.pop("backend", None) is not None:
+        said.append("model.backend (NeMo's kernels): dropped; remat runs transformers' attention and layers")
+
+
+def _loss(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    loss = out.get("loss_fn")
+    target = loss.get("_target_") if isinstance(loss, dict) else None
+    if not isinstance(target, str) or not target.startswith(NEMO_PREFIX):
+        return
+    if target in _LOSSES:
+        loss["_target_"] = _LOSSES[target]
+        said.append(f"loss_fn._target_ {target} -> {_LOSSES[target]}")
+    else:
+        refused.append(f"loss_fn._target_: {target!r} has no remat counterpart; allowed: "
+                       f"{', '.join(_LOSSES.values())}")
+
+
+def _distributed(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    config = out.pop("distributed_config", None)
+    section = out.get("distributed")
+    if not isinstance(section, dict):
+        if config is None:
+            return
+        section = _section(out, "distributed")
+    for source, name in ((section, "distributed"), (config if isinstance(config, Mapping) else {},
+                                                    "distributed_config")):
+        target = source.get("_target_")
+        if isinstance(target, str):
+            strategy = _STRATEGIES.get(target.rsplit(".", 1)[-1])
+            if strategy is None:
+                refused.append(f"{name}._target_: {target!r}; allowed: FSDP2Manager or DDPManager (strategy fsdp2 "
+                               "or ddp)")
+            else:
+                section["strategy"] = strategy
+                said.append(f"{name}._target_ {target.rsplit('.', 1)[-1]} -> distributed.strategy {strategy}")
+        if name == "distributed_config" and "activation_checkpointing" in source:
+            section["activation_checkpointing"] = source["activation_checkpointing"]
+            said.append("distributed_config.activation_checkpointing -> distributed.activation_checkpointing")
+    section.pop("_target_", None)
+    if isinstance(section.get("dp_size"), str) and section["dp_size"].lower() in ("none", "null", "auto"):
+        section["dp_size"] = None
+        said.append("distributed.dp_size none -> null (derived from the number of processes)")
+    for key, trivial in (("pp_size", 1), ("ep_size", 1), ("sequence_parallel", False), ("dp_replicate_size", 1)):
+        if key not in section:
+            continue
+        value = section.pop(key)
+        if value in (trivial, None):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            said.append(f"distributed.{key} {shown}: dropped (what remat does)")
+        else:
+            refused.append(f"distributed.{key}: {value!r} is not supported by remat (pipeline, expert and sequence "
+                           "parallelism); allowed: " + ("false" if trivial is False else "1") + ", or context "
+                           "parallelism: distributed.cp_size")
+
+
+def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    for key in ("dataset", "validation_dataset"):
+        section = out.get(key)
+        target = section.get("_target_") if isinstance(section, dict) else None
+        if isinstance(target, str):
+            refused.append(f"{key}._target_: {target!r} is NeMo's dataset code (it fetches from the Hugging Face "
+                           f"Hub); {_DATASET_HELP.format(key=key)}")
+            del section["_target_"]  # said once, here
+    packed = out.pop("packed_sequence", None)
+    if isinstance(packed, Mapping) and "packed_sequence_size" in packed:
+        size = int(packed["packed_sequence_size"] or 0)
+        dataset = _section(out, "dataset")
+        if size > 0:
+            dataset.update(packing=True, seq_length=size)
+            said.append(f"packed_sequence.packed_sequence_size {size} -> dataset.packing true, dataset.seq_length "
+                        f"{size} (packed rows attend per document)")
+        else:
+            dataset["packing"] = False
+            said.append("packed_sequence.packed_sequence_size 0 -> dataset.packing false")
+    for loader, dataset_key in (("dataloader", "dataset"), ("validation_dataloader", "validation_dataset")):
+        section = out.pop(loader, None)
+        if not isinstance(section, Mapping):
+            continue
+        if "shuffle" in section and isinstance(out.get(dataset_key), dict):
+            out[dataset_key]["shuffle"] = bool(section["shuffle"])
+        said.append(f"{loader}: remat's own loader and collation" +
+                    (f" (shuffle -> {dataset_key}.shuffle)" if "shuffle" in section else ""))
+
+
+def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    section = out.get("checkpoint")
+    if not isinstance(section, dict):
+        return
+    fmt = section.pop("model_save_format", None)
+    if fmt not in (None, "safetensors"):
+        refused.append(f"checkpoint.model_save_format: {fmt!r}; remat saves safetensors (allowed: safetensors)")
+    elif fmt is not None:
+        said.append("checkpoint.model_save_format safetensors: what remat writes")
+    if "save_consolidated" in section:
+        section.pop("save_consolidated")
+        said.append("checkpoint.save_consolidated: dropped (every checkpoint has a transformers model/ export)")
+
+
+def _schedules(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    sched = out.get("step_scheduler")
+    if isinstance(sched, dict) and "num_epochs" in sched:
+        epochs = sched.pop("num_epochs")
+        if "max_steps" not in sched:
+            refused.append(f"step_scheduler.num_epochs: {epochs} counts epochs; remat counts optimizer steps: write "
+                           "step_scheduler.max_steps (rows of the dataset x epochs / global_batch_size)")
+        else:
+            said.append(f"step_scheduler.num_epochs {epochs}: dropped (max_steps {sched['max_steps']} ends the run)")
+    lr = out.get("lr_scheduler")
+    if not isinstance(lr, dict):
+        return
+    renames = {"lr_decay_style": "decay", "lr_warmup_steps": "warmup_steps", "lr_decay_steps": "decay_steps"}
+    for old, new in renames.items():
+        if old in lr:
+            lr[new] = lr.pop(old)
+            said.append(f"lr_scheduler.{old} -> lr_scheduler.{new}")
+    if "min_lr" in lr:
+        min_lr = float(lr.pop("min_lr"))
+        base = (out.get("optimizer") or {}).get("lr")
+        if not isinstance(base, (int, float)) or base <= 0:
+            refused.append(f"lr_scheduler.min_lr: {min_lr:g} needs optimizer.lr to become remat's min_lr_ratio; "
+                           "write lr_scheduler.min_lr_ratio")
+        else:
+            lr["min_lr_ratio"] = min_lr / float(base)
+            said.append(f"lr_scheduler.min_lr {min_lr:g} -> lr_scheduler.min_lr_ratio {min_lr / float(base):g}")
+    lr.pop("_target_", None)
+
+
+def _peft(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    peft = out.get("peft")
+    if not isinstance(peft, dict) or "_target_" not in peft:
+        return
+    peft.pop("_target_")
+    for old, new in (("dim", "r"), ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):
+        if old in peft:
+            peft[new] = peft.pop(old)
+    if peft.pop("match_all_linear", False):
+        peft["target_modules"] = "all-linear"
+    for key in ("use_triton", "exclude_modules", "lora_A_init", "dropout_position"):
+        peft.pop(key, None)
+    said.append("peft (NeMo's PeftConfig) -> peft: LoRA through the peft library (dim -> r, alpha -> lora_alpha, "
+                "dropout -> lora_dropout)")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def _section(out: dict[str, Any], key: str) -> dict[str, Any]:
+    section = out.get(key)
+    if not isinstance(section, dict):
+        section = out[key] = {}
+    return section
+
+
+def _targets(data: Any) -> list[Any]:
+    return [target for _, target in _targets_with_keys(data)]
+
+
+def _targets_with_keys(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    if isinstance(data, Mapping):
+        for key, value in data.items():
+            dotted = f"{prefix}{key}"
+            if key == "_target_":
+                found.append((dotted, value))
+            else:
+                found += _targets_with_keys(value, dotted + ".")
+    return found

@@ -1,0 +1,83 @@
+"""Recipes in NeMo AutoModel's ``llm_finetune`` schema (tests/recipes/nemo/, written as its published recipes are):
+read key by key into remat's spelling with one line each, trained, or refused one line per key with what to write
+instead (`remat.recipes.nemo`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from remat.errors import ConfigError
+from remat.recipes.finetune import FinetuneRecipe
+from remat.recipes.loader import load_recipe
+from remat.recipes.nemo import from_nemo, is_nemo_recipe
+
+HERE = Path(__file__).resolve().parent / "nemo"
+
+
+def test_a_nemo_recipe_reads_as_remat_keys(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    caplog.set_level("INFO", logger="remat.recipes.loader")
+    cfg = load_recipe(HERE / "llama_packed_fused.yaml", ["--output_dir", str(tmp_path)])
+    assert cfg.seed == 1111 and cfg.model.preset == "tiny-llama" and cfg.model.dtype == "float32"
+    assert cfg.loss_fn.target == "remat.loss.FusedLinearCrossEntropy" and cfg.model.output_hidden_states is True
+    d = cfg.distributed
+    assert (d.strategy, d.dp_size, d.timeout_s, d.policy.mode) == ("fsdp2", None, 600.0, "full")
+    assert (cfg.dataset.packing, cfg.dataset.seq_length, cfg.dataset.shuffle) == (True, 128, True)
+    assert cfg.lr_scheduler.decay == "cosine" and cfg.lr_scheduler.min_lr_ratio == pytest.approx(0.1)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NeMo AutoModel recipe: ")]
+    assert "NeMo AutoModel recipe: packed_sequence.packed_sequence_size 128 -> dataset.packing true, " \
+           "dataset.seq_length 128 (packed rows attend per document)" in said
+    assert any("loss_fn._target_ nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy -> "
+               "remat.loss.FusedLinearCrossEntropy" in line for line in said)
+    assert len(said) == len(set(said)) >= 15
+
+
+@pytest.mark.slow
+def test_a_nemo_recipe_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_recipe(HERE / "llama_packed_fused.yaml", ["--output_dir", str(tmp_path), "--tokenizer.vocab_size",
+                                                         "512", "--step_scheduler.max_steps", "1"])
+    result = FinetuneRecipe(cfg).run()
+    assert [r.step for r in result.records] == [1] and result.records[0].loss > 0
+
+
+def test_the_published_squad_recipe_is_refused_key_by_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_recipe(HERE / "llama_squad.yaml")
+    first, *lines = str(info.value).splitlines()
+    assert first == "a NeMo AutoModel recipe with keys remat cannot read as written:"
+    assert "step_scheduler.num_epochs: 1 counts epochs; remat counts optimizer steps: write step_scheduler.max_steps " \
+           "(rows of the dataset x epochs / global_batch_size)" in lines
+    assert any(line.startswith("dataset._target_: 'nemo_automodel.components.datasets.llm.squad.make_squad_dataset' "
+                               "is NeMo's dataset code") and "save_to_disk" in line for line in lines)
+    assert any(line.startswith("validation_dataset._target_:") for line in lines)
+    assert len(lines) == 3, lines
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"distributed": {"pp_size": 2}}, "distributed.pp_size: 2 is not supported by remat"),
+    ({"loss_fn": {"_target_": "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy"}},
+     "loss_fn._target_: 'nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy' has no remat "
+     "counterpart; allowed: remat.loss.MaskedCrossEntropy, remat.loss.FusedLinearCrossEntropy"),
+    ({"compile": {"enabled": True}}, "compile.enabled: true is NeMo's torch.compile of the whole model"),
+    ({"model": {"torch_dtype": "fp8"}}, "model.torch_dtype: got 'fp8'; allowed:"),
+    ({"optimizer": {"_target_": "nemo_automodel.components.optim.Fancy"}},
+     "optimizer._target_: 'nemo_automodel.components.optim.Fancy' is NeMo AutoModel's own class"),
+])
+def test_what_remat_cannot_read_is_one_line_naming_the_key(change: dict[str, dict[str, object]],
+                                                           message: str) -> None:
+    data = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
+    for section, values in change.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(ConfigError) as info:
+        from_nemo(data)
+    first, *lines = str(info.value).splitlines()
+    assert first == "a NeMo AutoModel recipe with keys remat cannot read as written:"
+    assert [line for line in lines if line.startswith(message)], lines
+
+
+def test_only_nemo_recipes_are_translated() -> None:
+    assert is_nemo_recipe({"rng": {"seed": 1}}) and is_nemo_recipe({"loss_fn": {"_target_": "nemo_automodel.x.Y"}})
+    assert not is_nemo_recipe(yaml.safe_load((HERE.parents[2] / "examples" / "quickstart.yaml").read_text()))
