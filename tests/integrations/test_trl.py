@@ -1,11 +1,14 @@
-"""`remat.prepare_trainer` in TRL's ``SFTTrainer`` (a Trainer subclass): a fixed policy gives its own per-step
-losses and gradient norms bit for bit; ``loss="fused"`` is refused in one line, since TRL already replaces the model's
-forward with its own loss (never two losses)."""
+"""`remat.prepare_trainer` in TRL's ``SFTTrainer`` and ``DPOTrainer`` (Trainer subclasses): a fixed policy gives their
+own per-step losses and gradient norms bit for bit (DPO's reference model untouched); ``loss="fused"`` is refused in
+one line, since TRL already replaces the model's forward with its own loss (never two losses); ``auto`` is refused in
+DPO, whose step (chosen and rejected rows, a reference model) the planner does not model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import copy
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import remat
+from remat.checkpointing import remove_activation_checkpointing
 from remat.errors import ConfigError
 
 trl = pytest.importorskip("trl", reason="TRL is remat's optional extra (remat[trl]); the test extra installs it")
@@ -56,3 +60,38 @@ def test_the_fused_loss_is_refused_where_trl_computes_its_own(tmp_path: Path) ->
         pytest.skip("this TRL leaves the model's forward as it is")
     with pytest.raises(ConfigError, match="loss: TRL's trainer already replaced the forward of LlamaForCausalLM"):
         remat.prepare_trainer(trainer, "selective", loss="fused")
+
+
+def _dpo_trainer(tmp_path: Path) -> Any:
+    tokenizer = _sft_trainer(tmp_path / "sft").processing_class
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    rows = Dataset.from_dict({
+        "prompt": [" ".join(f"w{(i * 5 + j) % 250}" for j in range(8)) for i in range(8)],
+        "chosen": [" ".join(f"w{(i * 3 + j) % 250}" for j in range(10)) for i in range(8)],
+        "rejected": [" ".join(f"w{(i * 11 + j) % 250}" for j in range(6)) for i in range(8)],
+    })
+    args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=3,
+                         logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no", max_length=32,
+                         disable_tqdm=True)
+    return trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=rows,
+                          processing_class=tokenizer)
+
+
+def test_dpo_trainer_with_a_policy_gives_its_own_losses_bit_for_bit(tmp_path: Path) -> None:
+    plain = _dpo_trainer(tmp_path / "plain")
+    plain.train()
+    trainer = _dpo_trainer(tmp_path / "remat")
+    plan = remat.prepare_trainer(trainer, "full")
+    assert len(plan) == 2
+    trainer.train()
+    assert _logged(trainer) == _logged(plain) and len(_logged(plain)) == 3
+    assert remove_activation_checkpointing(trainer.ref_model) == 0  # nothing was wrapped there
+
+
+def test_auto_is_refused_in_dpo_in_one_line(tmp_path: Path) -> None:
+    trainer = _dpo_trainer(tmp_path)
+    with pytest.raises(ConfigError, match=r"^policy: 'auto' plans the causal-LM step of Trainer and TRL's SFTTrainer; "
+                                          r"DPOTrainer runs another step"):
+        remat.prepare_trainer(trainer, "auto", memory_budget="1GiB")

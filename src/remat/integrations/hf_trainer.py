@@ -222,6 +222,7 @@ def _hf_checkpointing_off(trainer: Any, model: nn.Module) -> None:
 def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, seq_length: int | None,
               target: str | None) -> ActivationPlan:
     """`plan_activation_checkpointing` for the step the Trainer runs, its arguments read from ``trainer.args``."""
+    _check_plannable_step(trainer)
     args = trainer.args
     optim = str(getattr(args.optim, "value", args.optim))
     optimizer = OPTIMIZERS.get(optim)
@@ -237,6 +238,17 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
         loss="fused" if loss == "fused" else "plain", optimizer="torch.optim.AdamW",
         optimizer_kwargs={"lr": args.learning_rate, "weight_decay": args.weight_decay, **optimizer},
         clip_grad_norm=args.max_grad_norm or None)
+
+
+def _check_plannable_step(trainer: Any) -> None:
+    """``auto`` plans the causal-LM step (one forward of the rows, the next-token loss) that ``Trainer`` and TRL's
+    ``SFTTrainer`` run; a TRL trainer with another step (DPO's chosen and rejected rows and its reference model,
+    GRPO's generations, ...) is refused in one line: a fixed policy works in it."""
+    trl_classes = [cls.__name__ for cls in type(trainer).__mro__ if cls.__module__.split(".")[0] == "trl"]
+    if trl_classes and "SFTTrainer" not in trl_classes:
+        raise ConfigError(f"policy: 'auto' plans the causal-LM step of Trainer and TRL's SFTTrainer; "
+                          f"{trl_classes[0]} runs another step (its own rows and models), which the planner does not "
+                          "model; allowed with it: a fixed policy such as 'full' or 'selective'")
 
 
 def _dataset_length(trainer: Any) -> int:
