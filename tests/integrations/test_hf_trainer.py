@@ -30,11 +30,20 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _trainer(tmp_path: Path, lora: bool = False, **arguments: Any) -> Trainer:
+def _trainer(tmp_path: Path, lora: bool = False, moe: bool = False, **arguments: Any) -> Trainer:
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=LENGTH)
-    model: Any = LlamaForCausalLM(config)
+    model: Any
+    if moe:  # Qwen3-MoE: 4 routed experts, top-2, float32
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+            max_position_embeddings=LENGTH))
+    else:
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=LENGTH)
+        model = LlamaForCausalLM(config)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -145,3 +154,24 @@ def test_a_refused_call_changes_nothing(tmp_path: Path) -> None:
             remat.prepare_trainer(trainer, loss="fused", **kwargs)
     assert trainer.args.gradient_checkpointing is True and "forward" not in vars(trainer.model)
     assert not is_checkpointed(trainer.model)
+
+
+def test_a_mixture_of_experts_model_trains_exactly_and_plans_within_its_budget(tmp_path: Path) -> None:
+    """Qwen3-MoE in float32 (its experts' grouped matmul has remat's own shape rule on fake tensors): ``full`` gives
+    the Trainer's own losses bit for bit, and ``auto`` plans this step within a budget between full and none."""
+    plain = _trainer(tmp_path / "plain", moe=True)
+    plain.train()
+    full = _trainer(tmp_path / "full", moe=True)
+    remat.prepare_trainer(full, "full")
+    full.train()
+    assert [(r["loss"], r["grad_norm"]) for r in _logged(full)] == [(r["loss"], r["grad_norm"]) for r in _logged(plain)]
+    peaks = {policy: remat.estimate_memory(plain.model.config, batch_size=2, seq_length=LENGTH, target="cpu",
+                                           policy=policy, grad_accumulation=2).peak_bytes
+             for policy in ("none", "full")}
+    assert peaks["full"] < peaks["none"]
+    budget = (peaks["full"] + peaks["none"]) // 2
+    trainer = _trainer(tmp_path / "auto", moe=True)
+    plan = remat.prepare_trainer(trainer, "auto", memory_budget=budget, target="cpu")
+    assert plan.peak_bytes <= budget
+    trainer.train()
+    assert all(r["peak_mem_gib"] * 2**30 <= budget * 1.0001 for r in _logged(trainer))
