@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_acceptance.sh estimate    # remat's estimate against torch.cuda.max_memory_allocated
 #   bash benchmarks/gpu_acceptance.sh profile     # remat profile: auto at 15/20/25/30 GiB against the uniform policies
 #   bash benchmarks/gpu_acceptance.sh long        # the long-context setting at 512k tokens and on
+#   bash benchmarks/gpu_acceptance.sh context     # context parallelism over every visible GPU (2 or more; torchrun)
 #
 # Several parts may be named in one call (`... policies loss`). On the GPU machine the wheels fetched by `wheels`
 # (in .whl/, which git ignores: carry it along) are installed into /tmp/site and put on PYTHONPATH with src/. Every
@@ -67,7 +68,16 @@ part() {
       keep_results benchmarks/results/estimate_cuda*.md benchmarks/results/estimate_cuda*.json ;;
     profile) "$PY" benchmarks/profile_seed_cuda.py; rc=$?
       keep_results benchmarks/results/profile_seed_*.md benchmarks/results/profile_seed_*.json ;;
-    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels suite policies loss estimate profile long" >&2
+    context)  # one process per GPU: NCCL takes no two ranks on one device, so it needs a multi-GPU machine
+      local gpus
+      gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+      if [ "${gpus:-0}" -lt 2 ]; then
+        echo "gpu_acceptance: context needs 2 or more GPUs; this machine has ${gpus:-0}" >&2; rc=2
+      else
+        "$PY" -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/bench_context_parallel.py; rc=$?
+        keep_results benchmarks/results/context_parallel_*.md benchmarks/results/context_parallel_*.json
+      fi ;;
+    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels suite policies loss estimate profile long context" >&2
        return 2 ;;
   esac
   echo "== gpu_acceptance: $name ended with status $rc after $((SECONDS - start)) s"
