@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-#: name -> (model, policy, fused loss, strategy, cp_size); the world size is the one the worker runs on.
+#: name -> (model, policy, fused loss, strategy, cp_size[, tp_size]); the world size is the one the worker runs on.
 CASES_2: dict[str, tuple[str, Any, bool, str, int]] = {
     "llama-none-plain-ddp": ("llama", False, False, "ddp", 2),
     "llama-full-fused-ddp": ("llama", "full", True, "ddp", 2),
@@ -29,6 +29,8 @@ CASES_4: dict[str, tuple[str, Any, bool, str, int]] = {
     "llama-selective-plain-ddp-cp4": ("llama", "selective", False, "ddp", 4),
     "llama-full-fused-fsdp2-dp2xcp2": ("llama", "full", True, "fsdp2", 2),
     "qwen3-none-plain-fsdp2-dp2xcp2": ("qwen3", False, False, "fsdp2", 2),
+    # 4 heads over tp 2, each rank's 2 over cp 2; its one key/value head repeated for the 2 context ranks
+    "llama-full-fused-fsdp2-cp2xtp2": ("llama", "full", True, "fsdp2", 2, 2),
 }
 ROWS = 2
 
@@ -61,7 +63,8 @@ def packed_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
 
 
-def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: int) -> dict[str, Any]:
+def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: int,
+                   tp_size: int = 1) -> dict[str, Any]:
     """One forward+backward of the batch: the summed loss and every parameter's full gradient (on every rank).
     ``strategy`` "single" is the one-process reference; otherwise a torchrun worker's share, rows split over the
     data-parallel ranks."""
@@ -73,7 +76,7 @@ def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: 
     batch = packed_batch()
     label_tokens = int((batch["labels"][:, 1:] != -100).sum())
     setup = DistributedSetup.build(strategy=strategy, activation_checkpointing=policy, cp_size=cp_size,  # type: ignore[arg-type]
-                                   device="cpu")
+                                   tp_size=tp_size, device="cpu")
     if setup.dp_size > 1:
         rows = ROWS // setup.dp_size
         batch = {k: v[setup.dp_rank * rows:(setup.dp_rank + 1) * rows] for k, v in batch.items()}

@@ -3,8 +3,9 @@
 Tiny Llama (4 heads, 2 key/value heads) and Qwen3 (8 heads, 2 key/value heads: repeated under ``cp_size`` 4) models,
 packed rows whose documents cross every shard boundary (document-wise attention), rows that must be padded to a
 multiple of 4, no / full / selective / attention-only checkpointing, the plain and the fused loss, DDP and FSDP2,
-and ``dp 2 x cp 2``; recipes trained, resumed and estimated with ``cp_size`` 2. Stated tolerance: loss and every gradient within 1e-6 relative (to the gradient's largest
-element) in float32; what is left is the order of floating-point sums across ranks (measured: about 4e-7).
+``dp 2 x cp 2`` and ``cp 2 x tp 2``; recipes trained, resumed and estimated with ``cp_size`` 2. Stated tolerance:
+loss and every gradient within 1e-6 relative (to the gradient's largest element) in float32; what is left is the
+order of floating-point sums across ranks (measured: about 4e-7).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str
 @pytest.fixture(scope="module")
 def references() -> dict[tuple[str, bool], dict[str, Any]]:
     """One-process loss and gradients per (model, fused loss), without checkpointing."""
-    keys = {(kind, fused) for kind, _, fused, _, _ in (*CASES_2.values(), *CASES_4.values())}
+    keys = {(case[0], case[2]) for case in (*CASES_2.values(), *CASES_4.values())}
     return {(kind, fused): loss_and_grads(kind, False, fused, "single", 1) for kind, fused in sorted(keys)}
 
 
@@ -59,10 +60,11 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any], case: str) -> None:
 @pytest.mark.parametrize(("world", "case"), [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4])
 def test_context_parallel_equals_one_process(world: int, case: str, reports: dict[int, list[dict[str, Any]]],
                                              references: dict[tuple[str, bool], dict[str, Any]]) -> None:
-    kind, _, fused, _, cp_size = (CASES_2 if world == 2 else CASES_4)[case]
+    kind, _, fused, _, cp_size, *tp = (CASES_2 if world == 2 else CASES_4)[case]
+    tp_size = tp[0] if tp else 1
     for report in reports[world]:  # every rank holds the whole gradient and the summed loss
         _assert_same(report[case], references[(kind, fused)], case)
-    layout = f"dp {world // cp_size} x cp {cp_size}"
+    layout = f"dp {world // (cp_size * tp_size)} x cp {cp_size}" + (f" x tp {tp_size}" if tp_size > 1 else "")
     assert layout in reports[world][0][case]["describe"]
 
 

@@ -88,3 +88,14 @@ def test_a_row_is_padded_cut_and_labelled_with_the_next_tokens(rank: int) -> Non
     assert targets.tolist() == [want_targets]
     full = cp.full_positions(inputs["position_ids"])  # found by identity: no collective
     assert full is not None and full.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5]]
+
+
+def test_heads_must_divide_by_cp_times_tp() -> None:
+    from remat.distributed.layout import check_heads
+
+    check_heads(8, 2, 2)
+    check_heads(None, 3)  # a config without the attribute: the first forward checks what runs
+    with pytest.raises(ConfigError, match=r"^distributed.cp_size: 4 x tp_size 2 must divide the model's attention "
+                                          r"heads \(12: each tensor-parallel rank's 6 are split over the "
+                                          r"context-parallel ranks\); allowed: a product that divides 12$"):
+        check_heads(12, 4, 2)

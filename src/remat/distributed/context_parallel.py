@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remat.distributed.layout import check_heads
 from remat.errors import ConfigError, RematError
 
 CP_SDPA: Final[str] = "remat_cp_sdpa"
@@ -217,10 +218,11 @@ def _register() -> None:
     AttentionInterface.register(CP_EAGER, cp_eager)
 
 
-def enable(model: nn.Module, cp: ContextShards) -> str:
+def enable(model: nn.Module, cp: ContextShards, *, tp_size: int = 1) -> str:
     """Make ``cp`` the process's group and switch ``model`` (a transformers model, optionally peft-wrapped) to
     context-parallel attention; returns the implementation's name. `ConfigError` naming ``distributed.cp_size`` for
-    a model whose attention cannot be split."""
+    a model whose attention cannot be split. With tensor parallelism (``tp_size``) each rank attends with
+    ``heads / tp_size`` heads, which the context-parallel ranks split again."""
     from remat.models.document_attention import current_attention
 
     _register()
@@ -232,9 +234,7 @@ def enable(model: nn.Module, cp: ContextShards) -> str:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
-    if isinstance(heads, int) and heads % cp.size:
-        raise ConfigError(f"distributed.cp_size: {cp.size} must divide the model's attention heads ({heads}); "
-                          f"allowed: a divisor of {heads}")
+    check_heads(heads, cp.size, tp_size)
     target = CP_SDPA if inner == "sdpa" else CP_EAGER
     try:
         model.set_attn_implementation(target)  # type: ignore[operator]

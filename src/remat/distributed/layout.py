@@ -51,9 +51,7 @@ def check_strategy_rules(strategy: str, dp_size: int | None, tp_size: int, cp_si
             if value not in (None, False, 1):
                 raise ConfigError(f"distributed.{name}: {value!r} needs strategy 'fsdp2' (got {strategy!r}); "
                                   f"allowed with {strategy!r}: {allowed}")
-    if cp_size != 1 and tp_size != 1:
-        raise ConfigError(f"distributed.cp_size: {cp_size} with tp_size {tp_size}: context and tensor parallelism "
-                          "together are not supported yet; allowed: one of them greater than 1")
+
 
 
 def world_layout(strategy: str, dp_size: int | None, tp_size: int, cp_size: int, *, world_size: int) -> int:
@@ -70,3 +68,16 @@ def world_layout(strategy: str, dp_size: int | None, tp_size: int, cp_size: int,
             f"but the launch has {world_size} process{'es' if world_size != 1 else ''} (WORLD_SIZE); allowed: "
             "sizes whose product is the number of processes (leave dp_size out to derive it)")
     return dp
+
+
+def check_heads(heads: Any, cp_size: int, tp_size: int = 1) -> None:
+    """`ConfigError` naming ``distributed.cp_size`` unless ``cp_size`` (x ``tp_size``) divides ``heads``."""
+    if not isinstance(heads, int) or heads % (cp_size * tp_size) == 0:
+        return
+    if tp_size == 1:
+        raise ConfigError(f"distributed.cp_size: {cp_size} must divide the model's attention heads ({heads}); "
+                          f"allowed: a divisor of {heads}")
+    raise ConfigError(f"distributed.cp_size: {cp_size} x tp_size {tp_size} must divide the model's attention heads "
+                      f"({heads}: each tensor-parallel rank's {heads // tp_size if heads % tp_size == 0 else heads} "
+                      "are split over the context-parallel ranks); allowed: a product that divides "
+                      f"{heads}")

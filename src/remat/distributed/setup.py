@@ -58,9 +58,9 @@ logger = logging.getLogger(__name__)
 class DistributedSetup:
     """The parallelism of a run: ``setup = DistributedSetup.build(...)``, then ``model = setup.parallelize(model)``.
 
-    ``dp_size`` x ``tp_size`` x ``cp_size`` = ``world_size``; ranks are laid out ``(dp, tp)`` or ``(dp, cp)`` with
-    the tensor- or context-parallel ranks of a data-parallel replica adjacent (on the same node when the node holds
-    that many ranks or more).
+    ``dp_size`` x ``tp_size`` x ``cp_size`` = ``world_size``; ranks are laid out ``(dp, tp)``, ``(dp, cp)`` or
+    ``(dp, cp, tp)`` with the tensor- and context-parallel ranks of a data-parallel replica adjacent (on the same node
+    when the node holds that many ranks or more).
     """
 
     strategy: Strategy = "single"
@@ -76,7 +76,8 @@ class DistributedSetup:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None
-    """The device mesh with dimensions ``("dp",)``, ``("dp", "tp")`` or ``("dp", "cp")``; None for ``single``."""
+    """The device mesh with dimensions ``("dp",)``, ``("dp", "tp")``, ``("dp", "cp")`` or ``("dp", "cp", "tp")``; None
+    for ``single``."""
     batch_mesh: DeviceMesh | None = None
     """The one-dimensional mesh of the ranks that each hold a share of the batch (``dp``, or ``dp x cp`` flattened):
     DDP and FSDP2 run over it; None for ``single``."""
@@ -180,8 +181,8 @@ class DistributedSetup:
         """One line for the run log, e.g. ``fsdp2 over 4 processes (dp 2 x tp 2), backend gloo, device cpu``."""
         if not self.is_distributed:
             return f"single process on {self.device}"
-        layout = (f"dp {self.dp_size}" + (f" x tp {self.tp_size}" if self.tp_size > 1 else "")
-                  + (f" x cp {self.cp_size}" if self.cp_size > 1 else ""))
+        layout = (f"dp {self.dp_size}" + (f" x cp {self.cp_size}" if self.cp_size > 1 else "")
+                  + (f" x tp {self.tp_size}" if self.tp_size > 1 else ""))
         extras = [f"mixed precision {self.mixed_precision}"] if self.mixed_precision else []
         extras += ["cpu offload"] if self.cpu_offload else []
         return (f"{self.strategy} over {self.world_size} process{'es' if self.world_size > 1 else ''} ({layout}), "
@@ -205,7 +206,7 @@ class DistributedSetup:
             model.to(self.device)  # skipped when already there: `Module.to` cannot run on fake parameters
         policy = parse_policy(self.activation_checkpointing, key="distributed.activation_checkpointing")
         if self.context is not None:
-            name = context_parallel.enable(model, self.context)
+            name = context_parallel.enable(model, self.context, tp_size=self.tp_size)
             logger.info("context parallel: %s, each row cut over %d ranks", name, self.cp_size)
         with planned_policy(self.planned):
             self.plan = apply_activation_checkpointing(model, policy)
@@ -389,6 +390,8 @@ class DistributedSetup:
 def _device_mesh(device: torch.device, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
+    if cp > 1 and tp > 1:  # tensor-parallel ranks innermost: the most traffic between the nearest ranks
+        return init_device_mesh(device.type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     if cp > 1:
         return init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     if tp > 1:

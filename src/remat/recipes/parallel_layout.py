@@ -4,7 +4,7 @@ starts, each worker again before it builds anything."""
 
 from __future__ import annotations
 
-from remat.distributed.layout import world_layout
+from remat.distributed.layout import check_heads, world_layout
 from remat.errors import ConfigError
 from remat.recipes.config import RecipeConfig
 
@@ -31,12 +31,9 @@ def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]
 
 
 def _check_context_heads(cfg: RecipeConfig) -> None:
-    """``cp_size`` must divide the attention heads (read from the model's config: no weights)."""
+    """``cp_size`` (x ``tp_size``) must divide the attention heads (read from the model's config: no weights)."""
     from remat.models.build import resolve_model_config
 
     config = resolve_model_config(cfg.model)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    if isinstance(heads, int) and heads % cfg.distributed.cp_size:
-        raise ConfigError(f"distributed.cp_size: {cfg.distributed.cp_size} must divide the model's attention heads "
-                          f"({heads}); allowed: a divisor of {heads}")
+    check_heads(getattr(text, "num_attention_heads", None), cfg.distributed.cp_size, cfg.distributed.tp_size)
