@@ -145,11 +145,6 @@ def _check_setup(setup: DistributedSetup | None, activation_checkpointing: Any) 
     if activation_checkpointing is not None:
         raise ConfigError("activation_checkpointing: given next to distributed_setup; give it once, as "
                           "DistributedSetup.build(..., activation_checkpointing=...)")
-    if setup.context is not None:
-        raise ConfigError(f"distributed_setup: cp_size {setup.cp_size} needs each row cut over the context-parallel "
-                          "ranks before the model runs, which a model called directly does not do; train it through "
-                          "a recipe (remat finetune) or remat.recipes.model_loss.CausalLMLoss(..., context="
-                          "setup.context); allowed here: cp_size 1")
     if setup.root is not None:
         raise ConfigError("distributed_setup: this DistributedSetup already parallelized a model (its plan, root "
                           "and gradient synchronisation belong to that model); build one DistributedSetup per model")
@@ -164,6 +159,10 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, setup: DistributedSetup |
     if setup is not None:
         root = setup.parallelize(model)
         plan = setup.plan
+        if setup.context is not None:  # each call's whole rows are cut to this rank's shard before the model runs
+            from remat.distributed.context_parallel import cut_model_calls
+
+            cut_model_calls(model, setup.context, setup.sum_over_dp, setup.shard_count)
     else:
         root = model
         plan = apply_activation_checkpointing(model, policy)

@@ -2,7 +2,9 @@
 checkpoint and from a preset: the global loss and every parameter's full gradient equal one process taking the whole
 batch (within 1e-5 relative: the order of floating-point sums differs), blocks wrapped exactly once, and what comes
 back is the HF model (FSDP2) or the DDP wrapper around it, each carrying the plan. ``sqrt`` (segments) under FSDP2
-trains too: each segment is sharded as one unit (``plan.shard_groups()``)."""
+trains too: each segment is sharded as one unit (``plan.shard_groups()``). With ``cp_size`` 2 both ranks are given
+the whole batch and each call is cut to the rank's shard of every row: the mean of the ranks' losses and the
+gradients are those of one process too."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def one_process(source: str, checkpoint: Path) -> tuple[float, dict[str, list[fl
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_step_matches_one_process(case: str, reports: list[dict[str, Any]], checkpoint: Path) -> None:
-    strategy, source, _ = CASES[case]
+    strategy, source, *_ = CASES[case]
     loss, grads = one_process(source, checkpoint)
     for report in reports:
         got = report[case]
@@ -69,7 +71,7 @@ def test_training_step_matches_one_process(case: str, reports: list[dict[str, An
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpointing_applied_once_and_the_plan_attached(case: str, reports: list[dict[str, Any]]) -> None:
-    strategy, source, policy = CASES[case]
+    strategy, source, policy, *_ = CASES[case]
     blocks = 3 if source == "checkpoint" else 2
     for report in reports:
         got = report[case]

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -105,7 +106,7 @@ class ContextShards:
         self._remember(local_positions, positions)
         out = {key: value for key, value in inputs.items() if key != "attention_mask"}
         out.update(input_ids=input_ids[:, cut], position_ids=local_positions)
-        return out, targets[:, cut]
+        return out, targets[:, cut].contiguous()  # contiguous: transformers views its shift_labels flat
 
     def _remember(self, local: torch.Tensor, full: torch.Tensor) -> None:
         alive = [(ref, whole) for ref, whole in self._positions if ref() is not None]
@@ -248,6 +249,48 @@ def enable(model: nn.Module, cp: ContextShards, *, tp_size: int = 1) -> str:
 def disable() -> None:
     """Forget the process's context-parallel group."""
     _ACTIVE.clear()
+
+
+def cut_model_calls(model: nn.Module, cp: ContextShards, sum_over_dp: Callable[[list[float]], list[float]],
+                    shard_count: int) -> None:
+    """Cut every call of ``model`` (a transformers causal LM called directly, as `remat.AutoModelForCausalLM`'s
+    users do) to this rank's shard, with a forward pre-hook.
+
+    ``input_ids`` (and ``position_ids``, ``attention_mask`` with right padding only) are the whole rows, as each rank
+    of the group is given them. With ``labels`` the model's own loss gets the shard's next-token targets
+    (``shift_labels``) and ``num_items_in_batch``: the label tokens of the whole batch (``sum_over_dp``: a collective,
+    every rank calls the model together) divided by ``shard_count``, so that each rank's loss is ``shard_count`` times
+    its share and DDP / FSDP2, averaging over the ``dp x cp`` ranks, give the gradients of the batch's mean loss; the
+    mean of the ranks' losses is the batch's loss. The outputs (logits, hidden states) are the shard's."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        from remat.models.document_attention import is_right_padding
+
+        if args:
+            kwargs = {"input_ids": args[0], **kwargs}
+            if len(args) > 1:
+                raise ConfigError("context parallelism: call the model with keyword arguments past input_ids "
+                                  "(model(input_ids=..., labels=...)); the rows are cut before it runs")
+        if not isinstance(kwargs.get("input_ids"), torch.Tensor):
+            raise ConfigError("context parallelism: the model must be given input_ids (whole rows, cut here); "
+                              "inputs_embeds cannot be cut")
+        if kwargs.get("num_items_in_batch") is not None or kwargs.get("shift_labels") is not None:
+            raise ConfigError("context parallelism: num_items_in_batch and shift_labels are set here from the whole "
+                              "batch; pass labels only")
+        mask = kwargs.pop("attention_mask", None)
+        inputs = {key: kwargs.pop(key) for key in ("input_ids", "position_ids") if kwargs.get(key) is not None}
+        if isinstance(mask, torch.Tensor) and not is_right_padding(mask):
+            inputs["attention_mask"] = mask  # refused by `shard` in one line
+        labels = kwargs.pop("labels", None)
+        cut, targets = cp.shard(inputs, labels if labels is not None else inputs["input_ids"], ignore_index=-100)
+        kwargs.update(cut)
+        if labels is not None:
+            count = sum_over_dp([float((labels[..., 1:] != -100).sum())])[0]
+            kwargs.update(labels=targets, shift_labels=targets,
+                          num_items_in_batch=torch.tensor(max(count, 1.0) / shard_count, device=targets.device))
+        return (), kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def check_every_block_attends(cp: ContextShards, calls_before: int, blocks: int) -> None:
