@@ -137,6 +137,9 @@ class StepSettings:
         if unknown:
             raise ConfigError(f"{unknown[0]}: not a setting of the estimate; allowed: {', '.join(names)}")
         d, sched = cfg.distributed, cfg.step_scheduler
+        if d.tp_size != 1:  # said before the batch arithmetic, which would otherwise name the wrong key
+            raise ConfigError(f"distributed.tp_size: {d.tp_size} is not modelled by the estimate; allowed: 1 (data "
+                              "and context parallelism only)")
         cp_size = options.get("cp_size") or d.cp_size
         world_size = options.pop("world_size", None) or (d.dp_size or 1) * cp_size
         accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * (world_size // cp_size))
