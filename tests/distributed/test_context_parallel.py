@@ -125,7 +125,9 @@ def measured_peaks(tmp_path_factory: pytest.TempPathFactory, remat_cache: Path) 
 def test_the_estimate_equals_each_context_parallel_ranks_tracked_peak(case: str, tmp_path: Path,
                                                                       measured_peaks: list[dict[str, Any]]) -> None:
     """The CPU estimate of a ``cp_size`` 2 recipe (one rank: its shard, the all-to-all buffers, full-sequence
-    attention for half the heads) equals the tracked peak of step 2 on each of the 2 ranks, to the byte."""
+    attention for half the heads) equals the tracked peak of step 2 on each of the 2 ranks, to the byte, but for one
+    all-to-all input: gloo's worker thread may still hold the input of a finished all-to-all when the next tensor is
+    made (seen once in a full suite run: +65,536 bytes, one layer's queries, on one rank under load)."""
     from remat.estimate.api import estimate_memory, settings_from_recipe
 
     checkpointing, loss = MEMORY_CASES[case]
@@ -133,4 +135,7 @@ def test_the_estimate_equals_each_context_parallel_ranks_tracked_peak(case: str,
     model, settings = settings_from_recipe(cfg, target="cpu", documents_per_row=2, world_size=2)
     assert (settings.cp_size, settings.data_parallel) == (2, 1)
     estimate = estimate_memory(model, settings)
-    assert [report[case] for report in measured_peaks] == [estimate.peak_bytes] * 2
+    one_input = 2 * 4 * 32 * 64 * 4  # [rows, heads, tokens / cp_size, head_dim] float32 queries of one layer
+    for report in measured_peaks:
+        assert report[case] in (estimate.peak_bytes, estimate.peak_bytes + one_input), (report[case], estimate)
+    assert estimate.peak_bytes in [report[case] for report in measured_peaks]
