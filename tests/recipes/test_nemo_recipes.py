@@ -67,6 +67,11 @@ def test_the_published_squad_recipe_is_refused_key_by_key() -> None:
      "counterpart; allowed: remat.loss.MaskedCrossEntropy, remat.loss.FusedLinearCrossEntropy"),
     ({"compile": {"enabled": True}}, "compile.enabled: true is NeMo's torch.compile of the whole model"),
     ({"model": {"torch_dtype": "fp8"}}, "model.torch_dtype: got 'fp8'; allowed:"),
+    ({"packed_sequence": {"packed_sequence_size": "1k"}}, "packed_sequence.packed_sequence_size: got '1k'; allowed:"),
+    ({"dist_env": {"timeout_minutes": "ten"}}, "dist_env.timeout_minutes: got 'ten'; allowed: a positive number"),
+    ({"lr_scheduler": {"min_lr": "low"}}, "lr_scheduler.min_lr: got 'low'; allowed: a number >= 0"),
+    ({"peft": {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "exclude_modules": ["*.o_proj"]}},
+     "peft.exclude_modules: ['*.o_proj'] has no remat counterpart"),
     ({"optimizer": {"_target_": "nemo_automodel.components.optim.Fancy"}},
      "optimizer._target_: 'nemo_automodel.components.optim.Fancy' is NeMo AutoModel's own class"),
 ])

@@ -94,7 +94,9 @@ def _top_level(out: dict[str, Any], said: list[str], refused: list[str]) -> None
     dist_env = out.pop("dist_env", None)
     if isinstance(dist_env, Mapping):
         minutes = dist_env.get("timeout_minutes")
-        if minutes is not None:
+        if minutes is not None and not _positive_number(minutes):
+            refused.append(f"dist_env.timeout_minutes: got {minutes!r}; allowed: a positive number of minutes")
+        elif minutes is not None:
             _section(out, "distributed")["timeout_s"] = float(minutes) * 60
             said.append(f"dist_env.timeout_minutes {minutes} -> distributed.timeout_s {float(minutes) * 60:g}")
         if "backend" in dist_env:
@@ -194,7 +196,11 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
                            f"Hub); {_DATASET_HELP.format(key=key)}")
             del section["_target_"]  # said once, here
     packed = out.pop("packed_sequence", None)
-    if isinstance(packed, Mapping) and "packed_sequence_size" in packed:
+    size_value = packed.get("packed_sequence_size") if isinstance(packed, Mapping) else None
+    if size_value is not None and (isinstance(size_value, bool) or not isinstance(size_value, int) or size_value < 0):
+        refused.append(f"packed_sequence.packed_sequence_size: got {size_value!r}; allowed: 0 (no packing) or a "
+                       "positive number of tokens")
+    elif isinstance(packed, Mapping) and "packed_sequence_size" in packed:
         size = int(packed["packed_sequence_size"] or 0)
         dataset = _section(out, "dataset")
         if size > 0:
@@ -246,9 +252,12 @@ def _schedules(out: dict[str, Any], said: list[str], refused: list[str]) -> None
             lr[new] = lr.pop(old)
             said.append(f"lr_scheduler.{old} -> lr_scheduler.{new}")
     if "min_lr" in lr:
-        min_lr = float(lr.pop("min_lr"))
+        raw = lr.pop("min_lr")
+        min_lr = float(raw) if _positive_number(raw) or raw == 0 else -1.0
         base = (out.get("optimizer") or {}).get("lr")
-        if not isinstance(base, (int, float)) or base <= 0:
+        if min_lr < 0:
+            refused.append(f"lr_scheduler.min_lr: got {raw!r}; allowed: a number >= 0")
+        elif not isinstance(base, (int, float)) or base <= 0:
             refused.append(f"lr_scheduler.min_lr: {min_lr:g} needs optimizer.lr to become remat's min_lr_ratio; "
                            "write lr_scheduler.min_lr_ratio")
         else:
@@ -267,13 +276,21 @@ def _peft(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
             peft[new] = peft.pop(old)
     if peft.pop("match_all_linear", False):
         peft["target_modules"] = "all-linear"
-    for key in ("use_triton", "exclude_modules", "lora_A_init", "dropout_position"):
-        peft.pop(key, None)
+    if peft.get("exclude_modules"):  # a meaning remat's peft section has no key for: never dropped unsaid
+        refused.append(f"peft.exclude_modules: {peft['exclude_modules']!r} has no remat counterpart; allowed: list "
+                       "the modules to adapt in peft.target_modules instead")
+    peft.pop("exclude_modules", None)
+    dropped = [key for key in ("use_triton", "lora_A_init", "dropout_position") if peft.pop(key, None) is not None]
     said.append("peft (NeMo's PeftConfig) -> peft: LoRA through the peft library (dim -> r, alpha -> lora_alpha, "
-                "dropout -> lora_dropout)")
+                "dropout -> lora_dropout)" + (f"; {', '.join(dropped)} dropped (NeMo's kernels and init)"
+                                              if dropped else ""))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
 
 def _section(out: dict[str, Any], key: str) -> dict[str, Any]:
     section = out.get(key)
