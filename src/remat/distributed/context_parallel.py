@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remat.data import IGNORE_INDEX
 from remat.distributed.layout import check_heads
 from remat.errors import ConfigError, RematError
 
@@ -282,10 +283,10 @@ def cut_model_calls(model: nn.Module, cp: ContextShards, sum_over_dp: Callable[[
         if isinstance(mask, torch.Tensor) and not is_right_padding(mask):
             inputs["attention_mask"] = mask  # refused by `shard` in one line
         labels = kwargs.pop("labels", None)
-        cut, targets = cp.shard(inputs, labels if labels is not None else inputs["input_ids"], ignore_index=-100)
+        cut, targets = cp.shard(inputs, labels if labels is not None else inputs["input_ids"], ignore_index=IGNORE_INDEX)
         kwargs.update(cut)
         if labels is not None:
-            count = sum_over_dp([float((labels[..., 1:] != -100).sum())])[0]
+            count = sum_over_dp([float((labels[..., 1:] != IGNORE_INDEX).sum())])[0]
             kwargs.update(labels=targets, shift_labels=targets,
                           num_items_in_batch=torch.tensor(max(count, 1.0) / shard_count, device=targets.device))
         return (), kwargs
