@@ -283,7 +283,8 @@ def cut_model_calls(model: nn.Module, cp: ContextShards, sum_over_dp: Callable[[
         if isinstance(mask, torch.Tensor) and not is_right_padding(mask):
             inputs["attention_mask"] = mask  # refused by `shard` in one line
         labels = kwargs.pop("labels", None)
-        cut, targets = cp.shard(inputs, labels if labels is not None else inputs["input_ids"], ignore_index=IGNORE_INDEX)
+        cut, targets = cp.shard(inputs, labels if labels is not None else inputs["input_ids"],
+                                ignore_index=IGNORE_INDEX)
         kwargs.update(cut)
         if labels is not None:
             count = sum_over_dp([float((labels[..., 1:] != IGNORE_INDEX).sum())])[0]
