@@ -264,7 +264,8 @@ def cut_model_calls(model: nn.Module, cp: ContextShards, sum_over_dp: Callable[[
     its share and DDP / FSDP2, averaging over the ``dp x cp`` ranks, give the gradients of the batch's mean loss; the
     mean of the ranks' losses is the batch's loss. The outputs (logits, hidden states) are the shard's."""
 
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def hook(module: nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         from remat.models.document_attention import is_right_padding
 
         if args:
