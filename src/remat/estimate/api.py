@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 from remat.errors import ConfigError
 from remat.estimate.replay import replay
 from remat.estimate.settings import StepSettings
-from remat.estimate.simulate import check_simulable, simulate_step
+from remat.estimate.simulate import StepTrace, check_simulable, simulate_step
 from remat.hub import hub_config_file, is_hub_id
 from remat.models import ModelConfig, get_preset, preset_names
 from remat.models.build import resolve_model_config
@@ -135,7 +135,11 @@ def estimate_recipe(recipe: Any, settings: StepSettings, *, model: str, label: s
     """The estimate of a validated `remat.recipes.config.RecipeConfig` (what `estimate_memory` runs once the
     keywords are a recipe; the planner prices its candidates with it, each a copy of one recipe with another
     policy). ``settings`` are the same step in keywords, for the report; ``model`` describes the model."""
-    trace = simulate_step(recipe, settings.run())
+    return estimate_of_trace(simulate_step(recipe, settings.run()), settings, model=model, label=label)
+
+
+def estimate_of_trace(trace: StepTrace, settings: StepSettings, *, model: str, label: str = "") -> MemoryEstimate:
+    """The estimate a simulated (or composed, `remat.estimate.compose`) step's trace gives."""
     kind = "cuda" if settings.target == "cuda" else "exact"
     steady = replay(trace.events, trace.marks, kind=kind, steady_state=True)
     exact = replay(trace.events, trace.marks, kind="exact", steady_state=True)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -72,6 +73,12 @@ DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 GRADIENT_BUCKETS: Final[str] = "gradient_buckets"
 """The category of DDP's gradient buckets, which the live-tensor tracker does not see."""
 _DEVICE_OP: Final[Any] = torch.ops.prim.device.default
+BLOCK_FORWARD: Final[str] = "block forward "
+BLOCK_BACKWARD: Final[str] = "block backward "
+AFTER_FORWARD: Final[str] = "after block forward "
+AFTER_BACKWARD: Final[str] = "after block backward "
+BlockLayout = tuple[Any, ...]
+"""What one block got, as far as its allocations go (`block_layout`): blocks with equal layouts record equal events."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,13 @@ class StepTrace:
     events: list[StorageEvent] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)
     """(number of events recorded before the mark, label)."""
+    boundaries: list[tuple[int, str]] = field(default_factory=list)
+    """The phase marks and, with ``blocks=True``, where each block's forward and backward start (``BLOCK_FORWARD``,
+    ``BLOCK_BACKWARD`` + index), in the order they happened: the segments `remat.estimate.compose` reuses."""
+    layers: tuple[BlockLayout, ...] = ()
+    """What each block got (`block_layout`), with ``blocks=True``."""
+    blocks: Any = field(default=None, repr=False)
+    """The model's `BlockSearch` (fake modules), with ``blocks=True``: other policies are resolved over it."""
     host_peak: int = 0
     """The most bytes of offloaded activations held in host memory at once (0 without offloading)."""
     parameters: int = 0
@@ -108,6 +122,11 @@ class StepTrace:
     def mark(self, label: str) -> None:
         """Start phase ``label`` at the current event."""
         self.marks.append((len(self.events), label))
+        self.boundaries.append((len(self.events), label))
+
+    def boundary(self, label: str) -> None:
+        """A segment boundary that is not a phase (a block's forward or backward starts)."""
+        self.boundaries.append((len(self.events), label))
 
 
 class _SimulationMode(TorchDispatchMode):
@@ -202,9 +221,11 @@ def with_cuda_loss_defaults(recipe: RecipeConfig) -> RecipeConfig:
     return recipe.model_copy(update={"loss_fn": type(loss).model_validate({**fields, "compile": True})})
 
 
-def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
+def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = False) -> StepTrace:
     """Run one training step of ``recipe`` on fake tensors, through the recipe's own build
-    (`remat.recipes.build`) and step (`remat.recipes.step.train_step`), and return its allocation trace."""
+    (`remat.recipes.build`) and step (`remat.recipes.step.train_step`), and return its allocation trace.
+    ``blocks`` also records where each block's forward and backward start, and what each block got (the planner
+    composes other policies' traces from these, `remat.estimate.compose`)."""
     accumulation = check_simulable(recipe, run)
     if run.target == "cuda":
         recipe = with_cuda_loss_defaults(recipe)
@@ -234,7 +255,9 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
         attention = CudaAttention() if run.target == "cuda" else contextlib.nullcontext()
         mode = _SimulationMode(cuda=run.target == "cuda")
         parts = root.decoder if root.use_hidden_states else net
-        hook = parts.register_forward_hook(lambda *_: trace.mark("loss"))
+        hooks = [parts.register_forward_hook(lambda *_: trace.mark("loss"))]
+        if blocks:
+            hooks += _record_blocks(trace, net, recipe, setup)
         tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
         offload = count_offload_on_host(setup.plan, tracker, run)
 
@@ -260,7 +283,8 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
                                   "take bfloat16 inputs only; allowed: dtype bfloat16 (or target cpu)") from err
             raise
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
     trace.host_peak = tracker.host_peak_bytes
     if offload is not None:
         trace.notes.append(describe_offload(offload, tracker.host_peak_bytes))
@@ -271,6 +295,69 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun) -> StepTrace:
                            "calls SDPA under another name) and were simulated with the CPU kernel")
     trace.seconds = time.perf_counter() - start
     return trace
+
+
+def block_layout(layer: Any) -> BlockLayout:
+    """What a block got (a `LayerPlan`, or None for a block the policy left alone), as far as its allocations go:
+    its mode, what is wrapped, offloading, tiling and the blocks recomputed with it."""
+    if layer is None:
+        return ("none", (), False, None, (), 0, None)
+    return (layer.mode, layer.wrapped, layer.offload, layer.segment, layer.tiled, layer.tiled_norms, layer.tile_tokens)
+
+
+def _record_blocks(trace: StepTrace, net: nn.Module, recipe: RecipeConfig, setup: DistributedSetup) -> list[Any]:
+    """Hooks that record a boundary where each block's forward starts (before FSDP2 gathers its parameters) and ends
+    (after FSDP2 frees them), and where its backward starts (when the gradient of its output arrives, before FSDP2's
+    own hook on it) and ends (when the gradient of its input is made, after FSDP2's reduce-scatter): the code between
+    blocks (the decoder's loop, the embedding, the loss) falls outside the blocks' segments. Also fills
+    ``trace.layers`` and ``trace.blocks``. Recomputation inside backward records nothing."""
+    from remat.checkpointing.discovery import find_blocks
+
+    policy = recipe.distributed.policy
+    search = find_blocks(net, policy.block_pattern if policy is not None else None)
+    applied = {layer.index: layer for layer in setup.plan.layers} if setup.plan is not None else {}
+    trace.blocks = search
+    trace.layers = tuple(block_layout(applied.get(block.index)) for block in search.blocks)
+
+    def in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    outputs: dict[str, weakref.ref[Tensor]] = {}  # the last block's output (the next block's input)
+
+    def forward_starts(index: int) -> Any:
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            if in_backward():
+                return
+            trace.boundary(f"{BLOCK_FORWARD}{index}")
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            # its gradient: this block's backward is done (when it is another block's output, that block's
+            # backward starts there instead)
+            last = outputs.get("last")
+            if isinstance(hidden, Tensor) and hidden.requires_grad and (last is None or hidden is not last()):
+                hidden.register_hook(lambda _grad: trace.boundary(f"{AFTER_BACKWARD}{index}"))
+        return hook
+
+    def backward_starts(index: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            tensor = output[0] if isinstance(output, (tuple, list)) else output
+            if not in_backward() and isinstance(tensor, Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda _grad: trace.boundary(f"{BLOCK_BACKWARD}{index}"))
+                outputs["last"] = weakref.ref(tensor)  # a reference would keep it alive
+        return hook
+
+    def forward_ends(index: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
+            if not in_backward():
+                trace.boundary(f"{AFTER_FORWARD}{index}")
+        return hook
+
+    handles = []
+    for block in search.blocks:
+        module = block.module
+        handles.append(module.register_forward_pre_hook(forward_starts(block.index), prepend=True, with_kwargs=True))
+        handles.append(module.register_forward_hook(backward_starts(block.index), prepend=True))
+        handles.append(module.register_forward_hook(forward_ends(block.index)))  # after FSDP2's post-forward
+    return handles
 
 
 def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:

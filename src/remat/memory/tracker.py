@@ -37,7 +37,9 @@ _PARAMETERS, _BUFFERS, _GRADIENTS, _OPTIMIZER_STATE, _ACTIVATIONS, _TEMPORARIES 
 StorageListener = Callable[[str, int, int, str], None]
 """``listener(event, serial, nbytes, category)``, told of every change the tracker counts. ``event`` is "alloc" (a
 storage starts being counted), "free" (it died), "resize" (its size changed to ``nbytes``) or "category" (it moved
-to ``category``); ``serial`` identifies the storage for its whole life and is never reused within one measurement."""
+to ``category``); ``serial`` identifies the storage for its whole life and is never reused within one measurement.
+"phase" (serial and bytes 0, ``category`` "backward" or "forward") says autograd entered or left a backward pass:
+entering it re-files the live forward temporaries as activations (the "category" events that follow)."""
 
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
@@ -435,6 +437,8 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _switch_phase(self) -> None:
         self._in_backward = not self._in_backward
+        if self._listener is not None:
+            self._listener("phase", 0, 0, "backward" if self._in_backward else "forward")
         if self._in_backward:
             for ref in list(self._refs.values()):
                 if ref.category == _TEMPORARIES and ref.born > self._forward_start_seq:

@@ -30,8 +30,12 @@ from typing import Final
 
 from remat.checkpointing import CheckpointingWarning, CheckpointPolicy
 from remat.checkpointing.policy import Mode
-from remat.errors import ConfigError
-from remat.estimate.api import MemoryEstimate, estimate_recipe
+from remat.errors import CheckpointingError, ConfigError
+
+from remat.checkpointing.resolve import resolve_plan
+from remat.estimate.api import MemoryEstimate, estimate_of_trace
+from remat.estimate.compose import ParsedTrace, compose, parse
+from remat.estimate.simulate import StepTrace, block_layout, simulate_step
 from remat.estimate.choices import short_loss
 from remat.estimate.settings import LOSS_TARGETS, StepSettings
 from remat.models import ModelConfig
@@ -82,6 +86,8 @@ class Planner:
     """The step as a validated recipe (policy none): every candidate priced is a copy with another policy."""
     measurements: BlockMeasurements = field(init=False)
     _estimates: dict[str, MemoryEstimate] = field(init=False, default_factory=dict)
+    _traces: list[ParsedTrace] = field(init=False, default_factory=list)
+    """The steps simulated so far (policies `_composable`), which later policies are composed from."""
     _model_name: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -107,18 +113,45 @@ class Planner:
     # --- estimates ---------------------------------------------------------------------------------------------
 
     def estimate(self, policy: CheckpointPolicy) -> MemoryEstimate:
-        """The estimate of the step under ``policy`` (cached)."""
+        """The estimate of the step under ``policy`` (cached): composed from the steps simulated so far when each
+        block's layout was in one of them (`remat.estimate.compose`), else simulated."""
         key = repr(sorted(policy.to_dict().items()))
         if key not in self._estimates:
             settings = dataclasses.replace(self.settings, policy=policy.to_dict())
             with quiet_checkpointing_log(), warnings.catch_warnings():
                 # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
                 warnings.simplefilter("ignore", CheckpointingWarning)
-                estimate = estimate_recipe(self.recipe.with_checkpointing(policy), settings, model=self._model_name)
-            logger.info("planner: %s -> predicted peak %s (%.1f s)", policy.describe(),
-                        format_bytes(estimate.peak_bytes), estimate.seconds)
+                trace = self._composed(policy)
+                how = "composed"
+                if trace is None:
+                    how = "simulated"
+                    trace = simulate_step(self.recipe.with_checkpointing(policy), settings.run(), blocks=True)
+                    parsed = parse(trace) if _composable(policy) else None
+                    if parsed is not None:
+                        self._traces.append(parsed)
+                estimate = estimate_of_trace(trace, settings, model=self._model_name)
+            logger.info("planner: %s -> predicted peak %s (%s in %.1f s)", policy.describe(),
+                        format_bytes(estimate.peak_bytes), how, estimate.seconds)
             self._estimates[key] = estimate
         return self._estimates[key]
+
+    def _composed(self, policy: CheckpointPolicy) -> StepTrace | None:
+        """The trace of ``policy`` composed from the traces simulated so far, or None."""
+        if not self._traces or not _composable(policy):
+            return None
+        search = self._traces[0].trace.blocks
+        if not policy.enabled:
+            layouts = [block_layout(None)] * len(search.blocks)
+        else:
+            try:
+                plan = resolve_plan(policy, search, self._model_name)
+            except CheckpointingError:
+                return None  # the simulation says why
+            applied = {layer.index: layer for layer in plan.layers}
+            layouts = [block_layout(applied.get(block.index)) for block in search.blocks]
+        if any(layout[2] or (layout[3] is not None and layout[3][0] != layout[3][1]) for layout in layouts):
+            return None  # offloaded or recomputed over several blocks
+        return compose(layouts, self._traces)
 
     def uniform_candidates(self, budget_bytes: int) -> list[Candidate]:
         """The uniform policies that apply to this model, each priced by the estimate."""
@@ -301,6 +334,14 @@ class Planner:
         return ConfigError(
             f"distributed.activation_checkpointing.memory_budget: nothing fits {format_bytes(budget_bytes)}; the smallest plan "
             f"({name}) needs {format_bytes(smallest.peak_bytes)} predicted. What would help: {'; '.join(helps)}")
+
+
+def _composable(policy: CheckpointPolicy) -> bool:
+    """Whether steps of ``policy`` are made of per-block segments that other policies' steps share: not offloaded
+    (host copies), not tiled (the final norm outside the blocks is tiled too) and not recomputed over segments of
+    several blocks."""
+    return not policy.offload and not policy.tiled and policy.segments is None and not any(
+        override.offload for override in policy.layers)
 
 
 def _uniform_policy(modes: tuple[Mode, ...]) -> CheckpointPolicy:
