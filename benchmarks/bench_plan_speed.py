@@ -104,11 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         "| command | CPU s | wall s |", "| --- | ---: | ---: |",
         *(f"| `{name}` | {cpu[name]:.1f} | {wall[name]:.1f} |" for name in COMMANDS), "",
         f"- plan (4 budgets) / estimate, CPU: **{ratio:.2f}x** (target <= {TARGET_RATIO:g}x); without the imports "
-        f"both pay: {ratio_without_imports:.2f}x. Its per-layer plans are composed from the uniform policies' "
-        "traces; `full, every 2nd block` is simulated (in bfloat16 a block output has holders in different traces "
-        "when `full` and `none` alternate, docs/planner.md).",
-        f"- the same recipe in float32 (budgets {', '.join(BUDGETS_FLOAT32)}), whose mixes are composed from the "
-        f"uniform policies' traces: plan / estimate, CPU: **{ratio_float32:.2f}x**.",
+        f"both pay: {ratio_without_imports:.2f}x. One whole step and four stopped before the update are simulated "
+        "(the uniform policies); every other candidate is composed from their block segments (docs/planner.md).",
+        f"- the same recipe in float32 (budgets {', '.join(BUDGETS_FLOAT32)}): plan / estimate, CPU: "
+        f"**{ratio_float32:.2f}x**.",
         f"- one estimate: **{cpu['estimate']:.1f} s** of CPU (target <= {TARGET_ESTIMATE_CPU_S} s).", "",
     ]
     (out / "plan_speed.md").write_text("\n".join(lines))

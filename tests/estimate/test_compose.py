@@ -1,8 +1,8 @@
 """Composed traces (`remat.estimate.compose`) are the simulated ones: a per-block mix of modes composed from the
 uniform policies' traces replays to the same peak, phase peaks, breakdown and reserved bytes as its own simulation,
 on the CUDA and exact allocator models, for single-process and FSDP2 steps, the plain and the fused loss, and
-gradient accumulation. Where the traces cannot settle a tensor's lifetime, composition declines (None), never
-guesses."""
+gradient accumulation, float32 and bfloat16. Where the traces cannot settle a tensor's lifetime, composition
+declines (None), never guesses."""
 
 from __future__ import annotations
 
@@ -66,19 +66,36 @@ def test_a_composed_mix_replays_as_its_simulation(strategy: str, world: int, fus
         assert _replays(composed) == _replays(simulated), modes
 
 
-def test_composition_declines_rather_than_guesses_when_a_lifetime_is_unsettled() -> None:
+def test_bfloat16_block_outputs_die_where_their_last_holder_lets_go() -> None:
     # bfloat16: the norm saves a float32 copy, so a block output's last holder is the decoder's loop under none and
-    # the next block under full; with full and none alternating, the traces cannot say when it dies
-    recipe = _recipe(dtype="bfloat16")
+    # the next block under full; alternating them, each output dies where the next block's trace says
+    recipe = _recipe(fused=True, dtype="bfloat16")
     run = SimulatedRun(target="cuda")
     sources = _sources(recipe, run)
-    for modes in [*MIXES, ("full",) * 4]:
+    for modes in MIXES:
         simulated = simulate_step(recipe.with_checkpointing(policy_of(modes)), run, blocks=True)
         composed = compose(simulated.layers, sources)
-        if composed is not None:
-            assert _replays(composed) == _replays(simulated), modes
-    assert compose(sources[MODES.index("full")].trace.layers, sources) is not None  # its own trace composes
-    assert compose(simulated.layers, sources[:1]) is None  # all blocks full, and only the none trace to draw from
+        assert composed is not None, modes
+        assert _replays(composed) == _replays(simulated), modes
+    # a block that could hold tensors it was not given (models sharing keys and values between blocks) leaves the
+    # lifetime open: composition declines rather than guesses
+    sources[0].trace.blocks = None
+    assert compose(simulated.layers, sources) is None
+    assert compose(sources[MODES.index("full")].trace.layers, sources) is not None  # one trace's own blocks
+    assert compose(sources[MODES.index("full")].trace.layers, sources[:1]) is None  # no full trace to draw from
+
+
+def test_a_step_stopped_where_the_update_starts_composes_into_the_whole_step() -> None:
+    recipe = _recipe("fsdp2", 2, fused=True)
+    run = SimulatedRun(target="cuda", world_size=2)
+    reference = parse(simulate_step(recipe, run, blocks=True))
+    full = recipe.with_checkpointing(CheckpointPolicy(mode="full"))
+    partial = parse(simulate_step(full, run, blocks=True, stop_at_update=True))
+    assert partial.trace.partial and len(partial.keys) < len(reference.keys)
+    composed = compose(partial.trace.layers, [reference, partial])
+    assert composed is not None
+    assert _replays(composed) == _replays(simulate_step(full, run, blocks=True))
+    assert compose(partial.trace.layers, [partial, reference]) is None  # a partial step cannot supply the update
 
 
 def test_a_trace_without_block_boundaries_is_not_a_source() -> None:

@@ -16,11 +16,13 @@ against real simulations (tests/estimate/test_compose.py).
 # trace that supplied its allocation: outside the blocks allocations match one for one (the same code ran); within
 # a block, the allocations used outside it (its *interface*) are matched in order, and both lists must have the
 # same sizes.
-# A tensor dies when its last holder lets go, and the holders can sit in different traces: the embedding output is
-# held by the decoder's forward until it returns and, under ``full``, by block 0 until its backward. A free recorded
-# in a segment is a release by that segment's code, so the composed free is the latest of the frees the chosen
-# segments recorded, provided no trace in use released the tensor later in a segment it does not supply (a
-# release the composition cannot see). Anything else that does not line up (a free of a dead tensor, a different
+# A tensor dies when its last holder lets go, and the holders can sit in different traces: a bfloat16 block output
+# is held by the decoder's loop until the next block returns and, under ``full``, by the next block until its
+# backward. A free recorded in a segment is a release by that segment's code, so the composed free is the latest of
+# the frees the chosen segments recorded, provided no trace in use released the tensor later in a segment it does
+# not supply while one of its own segments in between could have held it (a release the composition cannot see). A
+# block can hold only what it allocated or was given (its recorded inputs), unless its model shares keys and values
+# between blocks. Anything else that does not line up (a free of a dead tensor, a different
 # number of live tensors at the end) means the traces do not compose: `compose` returns None and the caller
 # simulates. Backward's first op re-files the live forward temporaries as activations (`LiveTensorTracker`); the
 # composition re-files by the tracker's own rule at the recorded phase switch.
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from remat.estimate.simulate import BLOCK_BACKWARD, BLOCK_FORWARD, BlockLayout, StepTrace, StorageEvent
+from remat.recipes.step import UPDATE_PHASE
 
 _REFILED = "activations"  # the category backward's first op moves forward temporaries to
 
@@ -72,13 +75,21 @@ class ParsedTrace:
     def allocs(self, segment: int) -> list[StorageEvent]:
         return [e for e in self.segments[segment].events if e.kind == "alloc"]
 
+    @property
+    def update(self) -> int:
+        """The index of the segment where the optimizer update starts (the end of a partial trace)."""
+        return next((i for i, key in enumerate(self.keys) if key[0] == UPDATE_PHASE), len(self.segments))
+
     def interface(self, segment: int) -> list[int]:
-        """Allocation indices of a block's ``segment`` whose storages are used outside the block, in order."""
+        """Allocation indices of a block's ``segment`` whose storages are used outside the block before the update,
+        or live when it starts (the update frees the gradients), in order: the same list in a whole and a partial
+        trace."""
         if segment not in self._interfaces:
-            own = self.group(segment)
+            own, update = self.group(segment), self.update
             self._interfaces[segment] = [
                 j for j, event in enumerate(self.allocs(segment))
-                if any(self.group(u) != own for u in self.users.get(event.serial, ()))]
+                if self.freed_in.get(event.serial, _NEVER) >= update
+                or any(u < update and self.group(u) != own for u in self.users.get(event.serial, ()))]
         return self._interfaces[segment]
 
     def signature(self, segment: int) -> list[int]:
@@ -122,16 +133,20 @@ class _CannotCompose(Exception):
 
 
 def compose(target: Sequence[BlockLayout], traces: Sequence[ParsedTrace]) -> StepTrace | None:
-    """The trace of the step whose block ``i`` has layout ``target[i]``, built from ``traces`` (the first supplies
-    everything outside the blocks), or None when some block's layout is in none of them or they do not line up."""
+    """The trace of the step whose block ``i`` has layout ``target[i]``, built from ``traces`` (the first, a whole
+    step, supplies everything outside the blocks; the others may stop where the update starts), or None when some
+    block's layout is in none of them or they do not line up."""
     start = time.perf_counter()
     reference = traces[0]
     if len(target) != len(reference.trace.layers):
         return None
+    if reference.trace.partial:
+        return None
     chosen: list[ParsedTrace] = []
     for index, layout in enumerate(target):
         source = next((t for t in traces if t.trace.layers[index] == layout), None)
-        if source is None or source.keys != reference.keys:
+        # a partial trace (stopped where the update starts) has the reference's segments up to there
+        if source is None or source.keys != reference.keys[:len(source.keys)]:
             return None
         chosen.append(source)
     try:
@@ -156,6 +171,8 @@ class _Composer:
         self.owner = [chosen[s.block] if s.block is not None else reference for s in reference.segments]
         self.sources = list({id(o): o for o in self.owner}.values())
         self.checked: set[tuple[int, int]] = set()
+        search = reference.trace.blocks
+        self.shares_state = search is None or any(block.kv_sharing for block in search.blocks)
 
     def storage(self, source: ParsedTrace, serial: int) -> Storage | None:
         """Which storage of the composed step ``serial`` of ``source`` is (None: one internal to a block that
@@ -219,24 +236,35 @@ class _Composer:
             for serial, (segment, _alloc) in source.origin.items():
                 name = self.storage(source, serial)
                 if name is not None:
-                    released.setdefault(name, []).append((source, source.freed_in.get(serial, _NEVER)))
+                    released.setdefault(name, []).append((source, serial, source.freed_in.get(serial, _NEVER)))
         last: dict[Storage, int] = {}
         for name, releases in released.items():
             frees = present.get(name, [])
             end = segment_at[frees[-1]] if frees else -1
-            for source, segment in releases:
+            for source, serial, segment in releases:
                 if segment != _NEVER and self.owner[segment] is source:
                     continue  # recorded in the composed step
-                # a release in a segment this trace does not supply: the composed step may only differ by the
-                # holders this trace does supply, whose releases lie in its own segments up to that point
-                upto = len(self.owner) - 1 if segment == _NEVER else segment
                 if segment == _NEVER and end == -1:
                     continue  # held to the end here and never freed in the composed step either
-                if any(self.owner[z] is source for z in range(end + 1, upto + 1)):
+                # a release in a segment this trace does not supply: the composed step differs only if a holder this
+                # trace supplies lets go later than the recorded free, in one of its segments up to that point
+                upto = len(self.owner) - 1 if segment == _NEVER else segment
+                holders = self._holders(source, serial)
+                if any(self.owner[z] is source and (holders is None or source.group(z) in holders)
+                       for z in range(end + 1, upto + 1)):
                     raise _CannotCompose
             if frees:
                 last[name] = frees[-1]
         return last
+
+    def _holders(self, source: ParsedTrace, serial: int) -> set[int | None] | None:
+        """The groups that can hold storage ``serial`` of ``source``: the code outside the blocks, the block that
+        allocated it and the blocks it was given to (None, anyone: blocks that share keys and values hand tensors
+        to later blocks outside their arguments)."""
+        if self.shares_state:
+            return None
+        allocated = source.group(source.origin[serial][0])
+        return {None, allocated, *(block for block, inputs in source.trace.block_inputs.items() if serial in inputs)}
 
     def _emit(self, steps: list[tuple[StorageEvent, Storage | None]], last_free: dict[Storage, int],
               marks_at: list[tuple[int, str]]) -> tuple[list[StorageEvent], list[tuple[int, str]]]:

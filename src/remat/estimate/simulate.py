@@ -66,7 +66,7 @@ from remat.memory.tracker import LiveTensorTracker
 from remat.models.build import resolve_model_config
 from remat.recipes.build import build_optimizer, build_training_module
 from remat.recipes.config import RecipeConfig
-from remat.recipes.step import step_label_tokens, train_step
+from remat.recipes.step import UPDATE_PHASE, step_label_tokens, train_step
 
 DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 """DistributedDataParallel's default bucket capacity (the first bucket is ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
@@ -105,8 +105,13 @@ class StepTrace:
     ``BLOCK_BACKWARD`` + index), in the order they happened: the segments `remat.estimate.compose` reuses."""
     layers: tuple[BlockLayout, ...] = ()
     """What each block got (`block_layout`), with ``blocks=True``."""
+    partial: bool = False
+    """The simulation stopped where the optimizer update starts (``stop_at_update``): not a whole step."""
     blocks: Any = field(default=None, repr=False)
     """The model's `BlockSearch` (fake modules), with ``blocks=True``: other policies are resolved over it."""
+    block_inputs: dict[int, set[int]] = field(default_factory=dict)
+    """Block index -> serials of the storages its forward was given (arguments and keyword arguments), with
+    ``blocks=True``: besides what it allocates, all a block can hold."""
     host_peak: int = 0
     """The most bytes of offloaded activations held in host memory at once (0 without offloading)."""
     parameters: int = 0
@@ -221,11 +226,14 @@ def with_cuda_loss_defaults(recipe: RecipeConfig) -> RecipeConfig:
     return recipe.model_copy(update={"loss_fn": type(loss).model_validate({**fields, "compile": True})})
 
 
-def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = False) -> StepTrace:
+def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = False,
+                  stop_at_update: bool = False) -> StepTrace:
     """Run one training step of ``recipe`` on fake tensors, through the recipe's own build
     (`remat.recipes.build`) and step (`remat.recipes.step.train_step`), and return its allocation trace.
-    ``blocks`` also records where each block's forward and backward start, and what each block got (the planner
-    composes other policies' traces from these, `remat.estimate.compose`)."""
+    ``blocks`` also records where each block's forward and backward start and end, and what each block got (the
+    planner composes other policies' traces from these, `remat.estimate.compose`); ``stop_at_update`` ends the
+    simulation where the optimizer update starts (a ``partial`` trace, whose blocks a composition can use: the update
+    does not depend on the policy)."""
     accumulation = check_simulable(recipe, run)
     if run.target == "cuda":
         recipe = with_cuda_loss_defaults(recipe)
@@ -256,12 +264,14 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
         mode = _SimulationMode(cuda=run.target == "cuda")
         parts = root.decoder if root.use_hidden_states else net
         hooks = [parts.register_forward_hook(lambda *_: trace.mark("loss"))]
-        if blocks:
-            hooks += _record_blocks(trace, net, recipe, setup)
         tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
+        if blocks:
+            hooks += _record_blocks(trace, net, recipe, setup, tracker)
         offload = count_offload_on_host(setup.plan, tracker, run)
 
         def mark(label: str) -> None:
+            if stop_at_update and label == UPDATE_PHASE:
+                raise _StopBeforeUpdate
             trace.mark(label)
             tracker.mark(label)
 
@@ -276,6 +286,8 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
                 train_step(root, params, optimizer, micro_batches[:2], setup=setup, label_tokens=label_tokens,
                            autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm, mark=mark)
                 del on_device, micro_batches
+        except _StopBeforeUpdate:
+            trace.partial = True
         except RuntimeError as err:
             if "Expected inputs of BF16 type" in str(err):  # torch._grouped_mm's CUDA shape function (MoE experts)
                 raise ConfigError(f"dtype: {recipe.model.dtype!r} cannot be simulated for {recipe.model.describe()} "
@@ -297,6 +309,10 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
     return trace
 
 
+class _StopBeforeUpdate(Exception):
+    """Raised by the phase mark of a ``stop_at_update`` simulation."""
+
+
 def block_layout(layer: Any) -> BlockLayout:
     """What a block got (a `LayerPlan`, or None for a block the policy left alone), as far as its allocations go:
     its mode, what is wrapped, offloading, tiling and the blocks recomputed with it."""
@@ -305,12 +321,13 @@ def block_layout(layer: Any) -> BlockLayout:
     return (layer.mode, layer.wrapped, layer.offload, layer.segment, layer.tiled, layer.tiled_norms, layer.tile_tokens)
 
 
-def _record_blocks(trace: StepTrace, net: nn.Module, recipe: RecipeConfig, setup: DistributedSetup) -> list[Any]:
+def _record_blocks(trace: StepTrace, net: nn.Module, recipe: RecipeConfig, setup: DistributedSetup,
+                   tracker: LiveTensorTracker) -> list[Any]:
     """Hooks that record a boundary where each block's forward starts (before FSDP2 gathers its parameters) and ends
     (after FSDP2 frees them), and where its backward starts (when the gradient of its output arrives, before FSDP2's
     own hook on it) and ends (when the gradient of its input is made, after FSDP2's reduce-scatter): the code between
     blocks (the decoder's loop, the embedding, the loss) falls outside the blocks' segments. Also fills
-    ``trace.layers`` and ``trace.blocks``. Recomputation inside backward records nothing."""
+    ``trace.layers``, ``trace.blocks`` and ``trace.block_inputs``. Recomputation inside backward records nothing."""
     from remat.checkpointing.discovery import find_blocks
 
     policy = recipe.distributed.policy
@@ -329,6 +346,11 @@ def _record_blocks(trace: StepTrace, net: nn.Module, recipe: RecipeConfig, setup
             if in_backward():
                 return
             trace.boundary(f"{BLOCK_FORWARD}{index}")
+            inputs = trace.block_inputs.setdefault(index, set())
+            for value in (*args, *kwargs.values()):
+                for item in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(item, Tensor):
+                        inputs.update(tracker.serials_of(item))
             hidden = args[0] if args else kwargs.get("hidden_states")
             # its gradient: this block's backward is done (when it is another block's output, that block's
             # backward starts there instead)

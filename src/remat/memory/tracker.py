@@ -248,6 +248,15 @@ class LiveTensorTracker(TorchDispatchMode):
         self._marks[label] = self._current
         self._last_mark = label
 
+    def serials_of(self, tensor: torch.Tensor) -> list[int]:
+        """The serials (as told to the listener) of the tracked storages under ``tensor``."""
+        out = []
+        for storage in _storages_of(tensor):
+            ref = self._refs.get(id(storage))
+            if ref is not None and ref() is storage:
+                out.append(ref.born)
+        return out
+
     def reset_peak(self) -> None:
         """Start a new peak from the current bytes (marks are kept)."""
         self._peak = self._current

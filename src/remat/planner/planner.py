@@ -121,19 +121,34 @@ class Planner:
             with quiet_checkpointing_log(), warnings.catch_warnings():
                 # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
                 warnings.simplefilter("ignore", CheckpointingWarning)
-                trace = self._composed(policy)
-                how = "composed"
+                trace, how = self._composed(policy), "composed"
                 if trace is None:
-                    how = "simulated"
-                    trace = simulate_step(self.recipe.with_checkpointing(policy), settings.run(), blocks=True)
-                    parsed = parse(trace) if _composable(policy) else None
-                    if parsed is not None:
-                        self._traces.append(parsed)
+                    trace, how = self._simulated(policy, settings), "simulated"
                 estimate = estimate_of_trace(trace, settings, model=self._model_name)
             logger.info("planner: %s -> predicted peak %s (%s in %.1f s)", policy.describe(),
                         format_bytes(estimate.peak_bytes), how, estimate.seconds)
             self._estimates[key] = estimate
         return self._estimates[key]
+
+    def _simulated(self, policy: CheckpointPolicy, settings: StepSettings) -> StepTrace:
+        """The simulated step of ``policy``, kept for composing later policies. Once a whole step is kept, the
+        simulation stops where the update starts (which no policy changes), and the step is composed from it."""
+        recipe, run = self.recipe.with_checkpointing(policy), settings.run()
+        if not _composable(policy):
+            return simulate_step(recipe, run, blocks=True)
+        if self._traces:
+            parsed = parse(simulate_step(recipe, run, blocks=True, stop_at_update=True))
+            if parsed is not None:
+                composed = compose(parsed.trace.layers, [self._traces[0], parsed])
+                if composed is not None:
+                    self._traces.append(parsed)
+                    composed.seconds = parsed.trace.seconds + composed.seconds
+                    return composed
+        trace = simulate_step(recipe, run, blocks=True)
+        parsed = parse(trace)
+        if parsed is not None:
+            self._traces.append(parsed)
+        return trace
 
     def _composed(self, policy: CheckpointPolicy) -> StepTrace | None:
         """The trace of ``policy`` composed from the traces simulated so far, or None."""

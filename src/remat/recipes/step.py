@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from remat.distributed import DistributedSetup
 from remat.distributed.grad_norm import clip_grad_norm_tensor
 from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.run_safety.numerics import nonfinite_flag, step_unless
+
+UPDATE_PHASE: Final[str] = "optimizer step"
+"""The phase `train_step` marks before clipping and the update (re-planning watches it; the estimate stops there)."""
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -94,7 +97,7 @@ def train_step(
         part = loss.detach().float()
         total_loss = part if total_loss is None else total_loss + part
         del loss
-    mark("optimizer step")
+    mark(UPDATE_PHASE)
     grad_norm = clip_grad_norm_tensor(params, max_norm)
     assert total_loss is not None, "train_step needs at least one micro-batch"
     lr = float(optimizer.param_groups[0]["lr"])

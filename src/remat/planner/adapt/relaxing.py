@@ -22,7 +22,8 @@ from remat.planner.measure import BlockMeasurements
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.recipes.adaptation.relax_watch import Stretch
-from remat.recipes.adaptation.retry import UPDATE_PHASE, size
+from remat.recipes.adaptation.retry import size
+from remat.recipes.step import UPDATE_PHASE
 
 
 @dataclass(frozen=True)

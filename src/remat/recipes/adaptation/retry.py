@@ -45,14 +45,13 @@ from remat.distributed import DistributedSetup
 from remat.errors import MemoryBudgetError, RematError
 from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
 from remat.recipes.adaptation.relax_watch import RelaxWatch, Stretch
+from remat.recipes.step import UPDATE_PHASE
 from remat.training_state.layout import capture_rng_state, restore_rng_state
 from remat.training_state.oom_notes import OutOfMemoryNote, restart_generation, restarts_left, write_note
 
 logger = logging.getLogger(__name__)
 
 GIB: Final[int] = 2**30
-UPDATE_PHASE: Final[str] = "optimizer step"
-"""The phase `remat.recipes.step.train_step` marks before clipping and the update: where the watch looks."""
 OUT_OF_MEMORY: Final[tuple[type[BaseException], ...]] = (
     getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 """What counts as an out-of-memory error (``torch.OutOfMemoryError``; tests raise it on the CPU)."""
