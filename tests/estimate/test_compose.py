@@ -6,7 +6,6 @@ declines (None), never guesses."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -18,26 +17,22 @@ from remat.estimate.run import SimulatedRun
 from remat.estimate.simulate import simulate_step
 from remat.planner.choose import policy_of
 from remat.recipes.loader import validate_recipe
+from tiny import tiny_recipe
 
-TINY = {"model": {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128,
-                                                     "num_hidden_layers": 4, "num_attention_heads": 4,
-                                                     "num_key_value_heads": 2, "vocab_size": 512}},
-        "tokenizer": {"vocab_size": 512}, "dataset": {"seq_length": 128},
-        "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2}, "distributed": {"device": "cpu"}}
+TINY = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}}
 MODES = ("none", "attention", "mlp", "selective", "full")
 MIXES = [("full", "none", "full", "none"), ("mlp", "full", "selective", "attention")]
 
 
 def _recipe(strategy: str = "single", world: int = 1, *, fused: bool = False, accumulation: int = 1,
             dtype: str | None = None) -> Any:
-    data = copy.deepcopy(TINY)
-    data["distributed"]["strategy"] = strategy
-    data["step_scheduler"]["global_batch_size"] = 2 * world * accumulation
-    if fused:
-        data["loss_fn"] = {"_target_": "remat.loss.FusedLinearCrossEntropy"}
-    if dtype:
-        data["model"]["dtype"] = dtype
-    return validate_recipe(data)
+    model = {**TINY, "dtype": dtype} if dtype else TINY
+    return validate_recipe(tiny_recipe(
+        model=model, dataset={"seq_length": 128},
+        step_scheduler={"global_batch_size": 2 * world * accumulation, "local_batch_size": 2},
+        distributed={"strategy": strategy}, **({"loss_fn": {"_target_": "remat.loss.FusedLinearCrossEntropy"}}
+                                               if fused else {})))
 
 
 def _replays(trace: Any) -> list[Any]:

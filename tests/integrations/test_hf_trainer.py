@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from tiny import tiny_causal_lm
+from transformers import Trainer, TrainingArguments
 
 import remat
 from remat.checkpointing import is_checkpointed
@@ -31,19 +32,8 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def _trainer(tmp_path: Path, lora: bool = False, moe: bool = False, **arguments: Any) -> Trainer:
-    torch.manual_seed(0)
-    model: Any
-    if moe:  # Qwen3-MoE: 4 routed experts, top-2, float32
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-            max_position_embeddings=LENGTH))
-    else:
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=LENGTH)
-        model = LlamaForCausalLM(config)
+    # Qwen3-MoE: 4 routed experts, top-2, float32; else Llama
+    model: Any = tiny_causal_lm("qwen3_moe" if moe else "llama", vocab_size=VOCAB, max_position_embeddings=LENGTH)
     if lora:
         from peft import LoraConfig, get_peft_model
 

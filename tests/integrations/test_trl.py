@@ -11,10 +11,10 @@ from typing import Any
 import copy
 
 import pytest
-import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny import tiny_causal_lm
+from transformers import PreTrainedTokenizerFast
 
 import remat
 from remat.checkpointing import remove_activation_checkpointing
@@ -30,9 +30,7 @@ def _sft_trainer(tmp_path: Path) -> Any:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
                                         eos_token="[EOS]")
     texts = [" ".join(f"w{(i * 7 + j) % 250}" for j in range(30)) for i in range(16)]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    model = tiny_causal_lm(vocab_size=256)
     args = trl.SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                          gradient_accumulation_steps=2, max_steps=3, logging_steps=1, report_to=[], use_cpu=True,
                          seed=0, save_strategy="no", max_length=32, disable_tqdm=True)
@@ -64,9 +62,7 @@ def test_the_fused_loss_is_refused_where_trl_computes_its_own(tmp_path: Path) ->
 
 def _dpo_trainer(tmp_path: Path) -> Any:
     tokenizer = _sft_trainer(tmp_path / "sft").processing_class
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    model = tiny_causal_lm(vocab_size=256)
     rows = Dataset.from_dict({
         "prompt": [" ".join(f"w{(i * 5 + j) % 250}" for j in range(8)) for i in range(8)],
         "chosen": [" ".join(f"w{(i * 3 + j) % 250}" for j in range(10)) for i in range(8)],

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import tiny_causal_lm
 
 from remat.errors import ConfigError
 from remat.models import ModelConfig, build_model
@@ -21,9 +21,7 @@ from remat.models import ModelConfig, build_model
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("models") / "ok"
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    tiny_causal_lm(hidden_size=32, intermediate_size=64, vocab_size=100).save_pretrained(directory)
     return directory
 
 

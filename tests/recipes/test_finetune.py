@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 from pathlib import Path
@@ -14,32 +13,13 @@ import torch
 from remat.errors import ConfigError
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
-
-TINY_MODEL = {"preset": "tiny-llama",
-              "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                         "num_attention_heads": 4, "num_key_value_heads": 2}}
+from tiny import TINY_LLAMA_PRESET
+from tiny import tiny_recipe as shared_tiny_recipe
 
 
 def tiny_recipe(tmp_path: Path, **sections: Any) -> dict[str, Any]:
-    recipe: dict[str, Any] = {
-        "seed": 7,
-        "output_dir": str(tmp_path / "run"),
-        "model": copy.deepcopy(TINY_MODEL),
-        "tokenizer": {"vocab_size": 512},
-        "dataset": {"seq_length": 32},
-        "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2, "max_steps": 6},
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
-        "lr_scheduler": {"warmup_steps": 2},
-        "logging": {"progress": "plain"},
-        "checkpoint": {"keep_last": 3},
-        "distributed": {"device": "cpu"},  # the expectations below (tracked `mem`, its log line) are the CPU's
-    }
-    for name, value in sections.items():
-        if isinstance(value, dict) and isinstance(recipe.get(name), dict):
-            recipe[name] = {**recipe[name], **value}
-        else:
-            recipe[name] = value
-    return recipe
+    """The shared tiny recipe (`tiny.tiny_recipe`) writing under ``tmp_path / "run"``."""
+    return shared_tiny_recipe(**{"output_dir": str(tmp_path / "run"), **sections})
 
 
 @pytest.fixture(autouse=True)
@@ -164,7 +144,7 @@ def test_fused_loss_gives_the_plain_loss_curve(tmp_path: Path) -> None:
     base = {"checkpoint": {"enabled": False}, "step_scheduler": {"max_steps": 4}}
     _, plain = run(tiny_recipe(tmp_path / "plain", **base))
     job, fused = run(tiny_recipe(tmp_path / "fused", loss_fn={"_target_": "remat.loss.FusedLinearCrossEntropy"},
-                                 model={**TINY_MODEL, "output_hidden_states": True}, **base))
+                                 model={**TINY_LLAMA_PRESET, "output_hidden_states": True}, **base))
     assert type(job.compute_loss.loss_fn).__name__ == "FusedLinearCrossEntropy"
     torch.testing.assert_close(torch.tensor(losses(fused)), torch.tensor(losses(plain)), rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,61 @@
+"""The tiny models and recipes tests build on, in one place: `tiny_causal_lm` for a model object of any causal-LM
+architecture in transformers, `tiny_recipe` for a recipe mapping. Imported as a module (``from tiny import ...``),
+like ``processes``; sizes a test depends on are passed explicitly, so a change of the defaults shows up as a diff."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+SIZES: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "vocab_size": 256}
+"""Every tiny model's shape unless a test says otherwise: 2 blocks of hidden size 64, 4 query and 2 key/value heads."""
+
+ARCH_SIZES: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+"""What some architectures need besides `SIZES` to stay tiny (their experts, a head size matching the hidden size)."""
+
+TINY_LLAMA_PRESET: dict[str, Any] = {"preset": "tiny-llama",
+                                     "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                                "num_attention_heads": 4, "num_key_value_heads": 2}}
+"""A recipe's ``model`` section for the same shape (the preset's own vocabulary unless ``config`` says)."""
+
+
+def tiny_causal_lm(arch: str = "llama", *, seed: int = 0, **config: Any) -> nn.Module:
+    """A randomly initialised ``AutoModelForCausalLM`` of model type ``arch`` (``"llama"``, ``"qwen3_moe"``, ...) with
+    `SIZES` (and `ARCH_SIZES`) overridden by ``config``, its weights drawn after ``torch.manual_seed(seed)``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {**SIZES, **ARCH_SIZES.get(arch, {}), **config}
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **settings))
+
+
+def tiny_recipe(**sections: Any) -> dict[str, Any]:
+    """A recipe of a few CPU steps of the tiny Llama (`TINY_LLAMA_PRESET`) on the builtin dataset, 32-token rows,
+    global batch 4 in micro-batches of 2; each keyword replaces a top-level key, and a mapping given for a mapping
+    section updates that section's keys (one level: ``model={"config": {...}}`` replaces the whole ``config``)."""
+    recipe: dict[str, Any] = {
+        "seed": 7,
+        "model": copy.deepcopy(TINY_LLAMA_PRESET),
+        "tokenizer": {"vocab_size": 512},
+        "dataset": {"seq_length": 32},
+        "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2, "max_steps": 6},
+        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
+        "lr_scheduler": {"warmup_steps": 2},
+        "logging": {"progress": "plain"},
+        "checkpoint": {"keep_last": 3},
+        "distributed": {"device": "cpu"},  # expectations on tracked `mem` and its log line are the CPU's
+    }
+    for name, value in sections.items():
+        if isinstance(value, dict) and isinstance(recipe.get(name), dict):
+            recipe[name] = {**recipe[name], **copy.deepcopy(value)}
+        else:
+            recipe[name] = copy.deepcopy(value)
+    return recipe
