@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from remat.estimate.report import _columns, describe_parallel, gib
+from remat.units import format_bytes
 
 if TYPE_CHECKING:
     from remat.estimate.longest import LongestAnswer
@@ -39,7 +40,7 @@ def longest_table(answers: Sequence[LongestAnswer], *, model: str = "") -> str:
     if answers:
         s = answers[0].settings
         precision = f"{s.dtype}" + (f", autocast {s.autocast}" if s.autocast else "")
-        lines.append(f"longest sequence whose predicted peak fits {gib(answers[0].capacity_bytes)} GiB: "
+        lines.append(f"longest sequence whose predicted peak fits {format_bytes(answers[0].capacity_bytes)}: "
                      f"{model + '; ' if model else ''}batch {s.batch_size}; {precision}; "
                      f"optimizer {s.optimizer.rsplit('.', 1)[-1]}; {describe_parallel(s, shard=False)}; modelled for "
                      f"{s.target.upper()}")

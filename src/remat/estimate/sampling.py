@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from typing import Any
 from remat.errors import RematError
 from remat.estimate.settings import StepSettings
 from remat.models import ModelConfig
+from remat.units import format_bytes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,18 +111,26 @@ class PeakSampler:
         todo = {(id(s), n): (s, n) for s, n in requests if (id(s), n) not in self._done}
         if self._pool is None or len(todo) < 2:
             for key, (settings, length) in todo.items():
-                self._done[key] = (settings, _outcome(lambda s=settings, n=length: sample_peak(self.model, s, n)))
+                self._record(key, settings, length, _outcome(lambda s=settings, n=length: sample_peak(self.model, s, n)))
         else:
             # the costliest first (tiled steps, longer sequences), so that no long one is left for the end
             order = sorted(todo, key=lambda k: (_tiled(todo[k][0]), todo[k][1]), reverse=True)
             futures = {k: (todo[k][0], self._pool.submit(sample_peak, self.model, *todo[k])) for k in order}
             for key, (settings, future) in futures.items():
-                self._done[key] = (settings, _outcome(future.result))
+                self._record(key, settings, todo[key][1], _outcome(future.result))
         results = [self._done[(id(s), n)][1] for s, n in requests]
         for result in results:
             if isinstance(result, RematError):
                 raise result  # the first user-fixable error of these requests (the others are kept)
         return results  # type: ignore[return-value]
+
+    def _record(self, key: tuple[int, int], settings: StepSettings, length: int,
+                outcome: PeakSample | RematError) -> None:
+        """Keep ``outcome`` and say so: one progress line per estimate made."""
+        self._done[key] = (settings, outcome)
+        result = (f"peak {format_bytes(outcome.peak_bytes)} ({outcome.seconds:.1f} s)"
+                  if isinstance(outcome, PeakSample) else "refused")
+        logger.info("estimate %d: %s tokens, %s -> %s", len(self._done), f"{length:,}", settings.describe(), result)
 
     def one(self, settings: StepSettings, seq_length: int) -> PeakSample:
         """The sample of one request."""

@@ -125,8 +125,8 @@ class Planner:
                 if trace is None:
                     trace, how = self._simulated(policy, settings), "simulated"
                 estimate = estimate_of_trace(trace, settings, model=self._model_name)
-            logger.info("planner: %s -> predicted peak %s (%s in %.1f s)", policy.describe(),
-                        format_bytes(estimate.peak_bytes), how, estimate.seconds)
+            logger.info("planner: estimate %d: %s -> predicted peak %s (%s in %.1f s)", len(self._estimates) + 1,
+                        policy.describe(), format_bytes(estimate.peak_bytes), how, estimate.seconds)
             self._estimates[key] = estimate
         return self._estimates[key]
 
@@ -170,7 +170,10 @@ class Planner:
 
     def uniform_candidates(self, budget_bytes: int) -> list[Candidate]:
         """The uniform policies that apply to this model, each priced by the estimate."""
-        return [self._candidate(label, modes, budget_bytes, is_uniform=True) for label, modes in self._uniforms()]
+        uniforms = self._uniforms()
+        logger.info("planner: pricing the %d uniform policies that apply (%s)", len(uniforms),
+                    ", ".join(label for label, _ in uniforms))
+        return [self._candidate(label, modes, budget_bytes, is_uniform=True) for label, modes in uniforms]
 
     def _uniforms(self) -> list[tuple[str, tuple[Mode, ...]]]:
         """(label, per-block modes) of the `UNIFORM` policies that apply to this model."""
@@ -192,6 +195,8 @@ class Planner:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise ConfigError(f"memory_budget: got {budget_bytes!r}; allowed: a number of bytes >= 1")
         self._refuse_below_floor(budget_bytes)
+        logger.info("planner: searching for %s (at most %d estimates besides the uniform policies)",
+                    format_bytes(budget_bytes), MAX_ESTIMATES_PER_BUDGET + 1)
         tried = self._search(budget_bytes)
         fitting = [c for c in tried if c.fits]
         best = min(fitting, key=self._seconds) if fitting else None
