@@ -59,10 +59,11 @@ def _model(settings: StepSettings) -> ModelConfig:
     return ModelConfig(preset="tiny-llama", config=SMALL, dtype=settings.dtype or "float32")
 
 
-def _real_peaks(settings: StepSettings, *, host_copies: bool = False) -> tuple[int, int, int]:
+def _real_peaks(settings: StepSettings, *, host_copies: bool = False,
+                model: ModelConfig | None = None) -> tuple[int, int, int]:
     """(first step's peak, second step's peak, host bytes at most) of the recipe's step on real CPU tensors, tracked
     exactly. ``host_copies``: the recipe's offload context copies CPU tensors to host buffers, counted as host."""
-    recipe = settings.to_recipe(_model(settings))
+    recipe = settings.to_recipe(model or _model(settings))
     torch.manual_seed(0)
     setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
                                    device="cpu")
@@ -100,6 +101,38 @@ def test_estimate_matches_the_real_cpu_step(name: str) -> None:
     assert estimate.first_step_peak_bytes == first
     assert sum(estimate.breakdown.values()) == estimate.peak_bytes
     assert estimate.host_peak_bytes == host == 0
+
+
+LONGCAT = {"model_type": "longcat_flash", "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "ffn_hidden_size": 128, "q_lora_rank": 32,
+           "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16,
+           "qk_head_dim": 24, "moe_topk": 2, "n_routed_experts": 4, "zero_expert_num": 2, "expert_ffn_hidden_size": 32}
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_data_dependent_expert_routing_is_simulated_balanced(policy: str) -> None:
+    """longcat_flash loops over the experts its router chose (``nonzero``, ``.item()``): fake tensors cannot decide
+    that, so the estimate routes every expert the same number of tokens (its note says so). The real router's
+    imbalance keeps the real step within 0.5% of that."""
+    model = ModelConfig(config=LONGCAT)
+    settings = StepSettings(batch_size=2, seq_length=64, target="cpu", policy=policy, loss="plain")
+    estimate = estimate_memory(model, settings)
+    _, steady, _ = _real_peaks(settings, model=model)
+    assert abs(estimate.peak_bytes - steady) <= 0.005 * steady
+    assert any("every expert given the same number of tokens" in note for note in estimate.notes)
+
+
+def test_routing_that_stays_data_dependent_is_refused_in_one_line() -> None:
+    """jetmoe sizes its experts from a float routing table (``.tolist()``): refused in one line naming the op."""
+    from remat.errors import ConfigError
+
+    model = ModelConfig(config={"model_type": "jetmoe", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_key_value_heads": 2, "kv_channels": 16, "intermediate_size": 128,
+                                "num_local_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(ConfigError, match=r"^model: .*jetmoe.* runs aten\._local_scalar_dense\.default on values fake "
+                                          r"tensors do not have") as err:
+        estimate_memory(model, StepSettings(batch_size=2, seq_length=64, target="cpu"))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(("policy", "offloaded"), [({"mode": "full", "offload": True}, "inputs"),

@@ -38,6 +38,7 @@ Details that make the fake step the real one:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -48,7 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from remat._logs import quiet_log
@@ -140,9 +142,10 @@ class _SimulationMode(TorchDispatchMode):
     selection, mask decisions); and, when modelling CUDA, allocates the attention backward kernels' workspaces
     around their ops so that the tracker counts them."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, balanced_routing: bool = False) -> None:
         super().__init__()
         self.cuda = cuda
+        self.balanced_routing = balanced_routing
         self.cpu_attention_calls = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -156,6 +159,11 @@ class _SimulationMode(TorchDispatchMode):
         if _all_real(args, kwargs):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
+        if self.balanced_routing and func is _TOPK and isinstance(args[0], FakeTensor):
+            return _balanced_topk(*args, **kwargs)
+        if self.balanced_routing and func is _ZEROS and _small_integer(args[0], kwargs.get("dtype")):
+            with unset_fake_temporarily():  # one_hot's buffer: the routing mask stays real
+                return func(*args, **kwargs)
         if not self.cuda:
             if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
                 return _grouped_mm_output(*args, **kwargs)
@@ -167,6 +175,33 @@ class _SimulationMode(TorchDispatchMode):
             return func(*args, **kwargs)
         finally:
             del workspace
+
+
+_TOPK: Final[Any] = torch.ops.aten.topk.default
+_DATA_DEPENDENT: Final[tuple[type[Exception], ...]] = (DynamicOutputShapeException, DataDependentOutputException)
+_ZEROS: Final[Any] = torch.ops.aten.zeros.default
+_REAL_MASK_ELEMENTS: Final[int] = 1 << 24  # integer buffers up to this size are made for real under balanced routing
+
+
+def _small_integer(size: Any, dtype: torch.dtype | None) -> bool:
+    """An integer or boolean buffer of at most `_REAL_MASK_ELEMENTS` elements (a routing mask, not an activation)."""
+    return (dtype is not None and (dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex))
+            and math.prod(size) <= _REAL_MASK_ELEMENTS)
+
+
+def _balanced_topk(scores: Tensor, k: int, dim: int = -1, largest: bool = True,
+                   sorted: bool = True) -> tuple[Tensor, Tensor]:  # noqa: A002 (aten's name)
+    """``topk`` of fake ``scores`` with real indices: row ``r`` picks ``r * k + j (mod n)`` for ``j < k``, so every
+    one of the ``n`` candidates is picked equally often (see the NOTE in `simulate_step`); the values are the fake
+    scores gathered there."""
+    dim = dim % scores.dim()
+    n = scores.shape[dim]
+    shape = [*scores.shape[:dim], *scores.shape[dim + 1:], k]
+    with unset_fake_temporarily():
+        indices = torch.arange(math.prod(shape), dtype=torch.int64).remainder_(n).view(shape)
+        if dim != scores.dim() - 1:
+            indices = indices.movedim(-1, dim).contiguous()
+    return torch.gather(scores, dim, indices), indices
 
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
@@ -233,7 +268,33 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
     ``blocks`` also records where each block's forward and backward start and end, and what each block got (the
     planner composes other policies' traces from these, `remat.estimate.compose`); ``stop_at_update`` ends the
     simulation where the optimizer update starts (a ``partial`` trace, whose blocks a composition can use: the update
-    does not depend on the policy)."""
+    does not depend on the policy).
+
+    # NOTE [ Expert routing the fake tensors cannot decide ]
+    # Some mixture-of-experts layers (longcat_flash, dbrx, jetmoe in transformers) loop over the experts a router
+    # chose: ``nonzero`` / ``where`` on the routing mask and ``.item()``, whose output shapes depend on values fake
+    # tensors do not have. When the step fails that way, it is simulated again with the routers' ``topk`` answering
+    # real indices, every expert given the same number of tokens (what load balancing aims for), so the loop runs on
+    # real integers and sizes each expert's batch. A real router's imbalance adds to its busiest experts'
+    # activations; the estimate says so in a note. Models whose experts run on fixed shapes (grouped_mm) never take
+    # this path."""
+    try:
+        return _simulate_step(recipe, run, blocks, stop_at_update, balanced_routing=False)
+    except _DATA_DEPENDENT:
+        pass
+    try:
+        trace = _simulate_step(recipe, run, blocks, stop_at_update, balanced_routing=True)
+    except _DATA_DEPENDENT as err:
+        raise ConfigError(f"model: {recipe.model.describe()} runs {getattr(err, 'func', 'an op')} on values fake "
+                          "tensors do not have, even with its expert routing fixed, so the estimate cannot simulate "
+                          "it; allowed: models whose every op has fixed output shapes") from err
+    trace.notes.append("expert routing depends on the data in this model: simulated with every expert given the "
+                       "same number of tokens (a real router's imbalance adds to its busiest experts' activations)")
+    return trace
+
+
+def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,
+                   balanced_routing: bool) -> StepTrace:
     accumulation = check_simulable(recipe, run)
     if run.target == "cuda":
         recipe = with_cuda_loss_defaults(recipe)
@@ -261,7 +322,7 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
         with fake:
             optimizer = build_optimizer(recipe, trainable, foreach=True if run.target == "cuda" else None)
         attention = CudaAttention() if run.target == "cuda" else contextlib.nullcontext()
-        mode = _SimulationMode(cuda=run.target == "cuda")
+        mode = _SimulationMode(cuda=run.target == "cuda", balanced_routing=balanced_routing)
         parts = root.decoder if root.use_hidden_states else net
         hooks = [parts.register_forward_hook(lambda *_: trace.mark("loss"))]
         tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
@@ -289,6 +350,8 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
         except _StopBeforeUpdate:
             trace.partial = True
         except RuntimeError as err:
+            if isinstance(err, _DATA_DEPENDENT):
+                raise
             if "Expected inputs of BF16 type" in str(err):  # torch._grouped_mm's CUDA shape function (MoE experts)
                 raise ConfigError(f"dtype: {recipe.model.dtype!r} cannot be simulated for {recipe.model.describe()} "
                                   "on CUDA: its experts run torch._grouped_mm, whose CUDA kernel and shape function "
