@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from remat.estimate.api import MemoryEstimate, estimate_memory
+from remat.units import format_bytes
 
 LAYERS, BATCH, SEQ, HIDDEN = 4, 2, 1024, 256  # tiny-llama: a block input is 2 MiB in fp32
 BLOCK_INPUT = BATCH * SEQ * HIDDEN * 4
@@ -41,8 +42,8 @@ def test_the_comparison_names_the_host_bytes_of_offloading_rows(
     full, offloaded = full_and_offloaded
     lines = comparison_table([full, offloaded]).splitlines()
     host_lines = [line for line in lines if "host memory for offloaded activations" in line]
-    assert host_lines == [f"{offloaded.name}: host memory for offloaded activations, at most: 0.01 GiB (0.01 GB; per "
-                          "rank, not part of the peak)"]
+    assert host_lines == [f"{offloaded.name}: host memory for offloaded activations, at most: "
+                          f"{format_bytes(offloaded.host_peak_bytes)} (per rank, not part of the peak)"]
     assert "host memory" not in breakdown_table(full)
 
 
@@ -68,5 +69,5 @@ def test_remat_estimate_prints_and_writes_the_host_bytes(tmp_path: Path, capsys:
     assert main(["estimate", "--preset", "tiny-llama", "--batch-size", str(BATCH), "--seq-length", str(SEQ),
                  "--loss", "fused", "--policy", "{mode: full, offload: true}", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "host memory for offloaded activations, at most: 0.01 GiB (0.01 GB; per rank" in printed
+    assert f"host memory for offloaded activations, at most: {format_bytes(LAYERS * BLOCK_INPUT)} (per rank" in printed
     assert json.loads(out.read_text())["host_peak_bytes"] == LAYERS * BLOCK_INPUT

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from remat.errors import ConfigError
-from remat.units import UNITS, parse_capacity  # noqa: F401 (re-exported: the estimate's --fits)
+from remat.units import UNITS, format_bytes, parse_capacity  # noqa: F401 (re-exported: the estimate's --fits)
 from remat.estimate.replay import ESTIMATE_CATEGORIES
 
 if TYPE_CHECKING:
@@ -26,9 +27,29 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f}"
 
 
-def gb(nbytes: int) -> str:
-    """``nbytes`` in GB (10^9 bytes) with two decimals."""
-    return f"{nbytes / 1e9:.2f}"
+@dataclass(frozen=True)
+class _Unit:
+    """The unit a table prints its sizes in: binary (GiB / MiB) and decimal (GB / MB)."""
+
+    binary: str
+    binary_bytes: int
+    decimal: str
+    decimal_bytes: float
+
+    def bin(self, nbytes: int) -> str:
+        return f"{nbytes / self.binary_bytes:.2f}"
+
+    def dec(self, nbytes: int) -> str:
+        return f"{nbytes / self.decimal_bytes:.2f}"
+
+
+_GIB_UNIT, _MIB_UNIT = _Unit("GiB", GIB, "GB", 1e9), _Unit("MiB", 2**20, "MB", 1e6)
+
+
+def _unit(largest: int) -> _Unit:
+    """GiB and GB when the largest figure is a GiB or more, MiB and MB below (a small step's figures would all read
+    0.00 GiB)."""
+    return _GIB_UNIT if largest >= GIB else _MIB_UNIT
 
 
 def describe_settings(estimate: MemoryEstimate) -> str:
@@ -49,37 +70,46 @@ def describe_settings(estimate: MemoryEstimate) -> str:
 
 def breakdown_table(estimate: MemoryEstimate, *, capacity_bytes: int | None = None) -> str:
     """A plain-text report of one estimate: the breakdown at the peak and the other figures."""
-    rows = [(name, gib(estimate.breakdown.get(name, 0)), gb(estimate.breakdown.get(name, 0)),
+    unit = _unit(estimate.peak_bytes)
+    rows = [(name, unit.bin(estimate.breakdown.get(name, 0)), unit.dec(estimate.breakdown.get(name, 0)),
              _share(estimate.breakdown.get(name, 0), estimate.peak_bytes)) for name in ESTIMATE_CATEGORIES]
-    rows.append(("peak", gib(estimate.peak_bytes), gb(estimate.peak_bytes), "100%"))
+    rows.append(("peak", unit.bin(estimate.peak_bytes), unit.dec(estimate.peak_bytes), "100%"))
     lines = [f"{estimate.name}: {describe_settings(estimate)}",
-             _columns(("at the peak", "GiB", "GB", "share"), rows),
+             _columns(("at the peak", unit.binary, unit.decimal, "share"), rows),
              f"peak phase: {estimate.phase}",
-             f"tensor bytes at the peak, without allocator rounding: {gib(estimate.tensor_peak_bytes)} GiB",
-             f"first step (optimizer state created during it): {gib(estimate.first_step_peak_bytes)} GiB"]
+             f"tensor bytes at the peak, without allocator rounding: {format_bytes(estimate.tensor_peak_bytes)}",
+             f"first step (optimizer state created during it): {format_bytes(estimate.first_step_peak_bytes)}"]
     if estimate.reserved_bytes is not None:
-        lines.append(f"reserved by the caching allocator (model): {gib(estimate.reserved_bytes)} GiB")
+        lines.append(f"reserved by the caching allocator (model): {format_bytes(estimate.reserved_bytes)}")
     if estimate.host_peak_bytes:
         lines.append(host_line(estimate))
     if capacity_bytes is not None:
-        lines.append(f"fits {gib(capacity_bytes)} GiB: {'yes' if estimate.fits(capacity_bytes) else 'NO'}")
+        lines.append(f"fits {format_bytes(capacity_bytes)}: {'yes' if estimate.fits(capacity_bytes) else 'NO'}")
     lines.extend(f"note: {note}" for note in estimate.notes)
     return "\n".join(lines)
 
 
-_COMPARE_HEADER: Final[tuple[str, ...]] = (
-    "setting", "peak GiB", "peak GB", "params", "grads", "optim", "activ", "temps", "phase",
-)
-_COMPARE_NOTE: Final[str] = "breakdown columns are GiB at the peak; params include buffers, grads include DDP buckets"
+def _compare_header(unit: _Unit, capacity_bytes: int | None) -> tuple[str, ...]:
+    return ("setting", f"peak {unit.binary}", f"peak {unit.decimal}", "params", "grads", "optim", "activ", "temps",
+            "phase", *((f"fits {format_bytes(capacity_bytes)}",) if capacity_bytes is not None else ()))
+
+
+def _compare_note(unit: _Unit) -> str:
+    return f"breakdown columns are {unit.binary} at the peak; params include buffers, grads include DDP buckets"
+
+
+def _compare_unit(estimates: Sequence[MemoryEstimate]) -> _Unit:
+    return _unit(max((e.peak_bytes for e in estimates), default=0))
 
 
 def _compare_rows(estimates: Sequence[MemoryEstimate], capacity_bytes: int | None) -> list[tuple[str, ...]]:
+    unit = _compare_unit(estimates)
     rows = []
     for e in estimates:
         b = e.breakdown
-        row = (e.name, gib(e.peak_bytes), gb(e.peak_bytes), gib(b["parameters"] + b["buffers"]),
-               gib(b["gradients"] + b["gradient_buckets"]), gib(b["optimizer_state"]), gib(b["activations"]), gib(b["temporaries"]),
-               e.phase)
+        row = (e.name, unit.bin(e.peak_bytes), unit.dec(e.peak_bytes), unit.bin(b["parameters"] + b["buffers"]),
+               unit.bin(b["gradients"] + b["gradient_buckets"]), unit.bin(b["optimizer_state"]),
+               unit.bin(b["activations"]), unit.bin(b["temporaries"]), e.phase)
         if capacity_bytes is not None:
             row += ("yes" if e.fits(capacity_bytes) else "NO",)
         rows.append(row)
@@ -88,16 +118,17 @@ def _compare_rows(estimates: Sequence[MemoryEstimate], capacity_bytes: int | Non
 
 def host_line(estimate: MemoryEstimate) -> str:
     """One line: the host memory an estimate's offloaded activations need at most (outside the device peak)."""
-    return (f"host memory for offloaded activations, at most: {gib(estimate.host_peak_bytes)} GiB "
-            f"({gb(estimate.host_peak_bytes)} GB; per rank, not part of the peak)")
+    return (f"host memory for offloaded activations, at most: {format_bytes(estimate.host_peak_bytes)} "
+            "(per rank, not part of the peak)")
 
 
 def comparison_table(estimates: Sequence[MemoryEstimate], *, capacity_bytes: int | None = None) -> str:
     """One row per estimate, side by side: the peak and its breakdown (GiB), its phase, and whether it fits."""
-    header = _COMPARE_HEADER + ((f"fits {gib(capacity_bytes)} GiB",) if capacity_bytes is not None else ())
-    table = _columns(header, _compare_rows(estimates, capacity_bytes), left=frozenset({0, 8}))
+    unit = _compare_unit(estimates)
+    table = _columns(_compare_header(unit, capacity_bytes), _compare_rows(estimates, capacity_bytes),
+                     left=frozenset({0, 8}))
     lines = [describe_settings(estimates[0]) if estimates else "", table]
-    lines.append(_COMPARE_NOTE)
+    lines.append(_compare_note(unit))
     lines.extend(f"{e.name}: {host_line(e)}" for e in estimates if e.host_peak_bytes)
     return "\n".join(lines)
 
@@ -111,20 +142,21 @@ def print_comparison(estimates: Sequence[MemoryEstimate], *, capacity_bytes: int
     from rich.console import Console
     from rich.table import Table
 
-    header = _COMPARE_HEADER + ((f"fits {gib(capacity_bytes)} GiB",) if capacity_bytes is not None else ())
+    unit = _compare_unit(estimates)
+    header = _compare_header(unit, capacity_bytes)
     table = Table(title=describe_settings(estimates[0]) if estimates else None, title_justify="left")
     for index, name in enumerate(header):
         table.add_column(name, justify="left" if index in (0, 8) else "right")
     for row in _compare_rows(estimates, capacity_bytes):
         style = "red" if capacity_bytes is not None and row[-1] == "NO" else None
         table.add_row(*row, style=style)
-    table.caption = "\n".join([_COMPARE_NOTE, *(f"{e.name}: {host_line(e)}" for e in estimates if e.host_peak_bytes)])
+    table.caption = "\n".join([_compare_note(unit), *(f"{e.name}: {host_line(e)}" for e in estimates if e.host_peak_bytes)])
     Console().print(table)
 
 
 def plot_breakdowns(estimates: Sequence[MemoryEstimate], path: str | Path, *,
                     capacity_bytes: int | None = None) -> Path:
-    """Write a PNG with one stacked bar per estimate (its breakdown at the peak, GiB); returns the path."""
+    """Write a PNG with one stacked bar per estimate (its breakdown at the peak, in GiB or MiB); returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,18 +171,19 @@ def plot_breakdowns(estimates: Sequence[MemoryEstimate], path: str | Path, *,
     names = [e.name for e in estimates]
     figure, axes = plt.subplots(figsize=(max(6.0, 1.3 * len(estimates) + 2.5), 4.8))
     bottoms = [0.0] * len(estimates)
+    unit = _compare_unit(estimates)
     for category in ESTIMATE_CATEGORIES:
-        values = [e.breakdown.get(category, 0) / GIB for e in estimates]
+        values = [e.breakdown.get(category, 0) / unit.binary_bytes for e in estimates]
         if not any(values):
             continue
         axes.bar(names, values, bottom=bottoms, label=category.replace("_", " "), color=_COLORS[category])
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     for index, e in enumerate(estimates):
-        axes.text(index, bottoms[index], gib(e.peak_bytes), ha="center", va="bottom", fontsize=8)
+        axes.text(index, bottoms[index], unit.bin(e.peak_bytes), ha="center", va="bottom", fontsize=8)
     if capacity_bytes is not None:
-        axes.axhline(capacity_bytes / GIB, color="black", linestyle="--", linewidth=1,
-                     label=f"capacity {gib(capacity_bytes)} GiB")
-    axes.set_ylabel("GiB at the peak")
+        axes.axhline(capacity_bytes / unit.binary_bytes, color="black", linestyle="--", linewidth=1,
+                     label=f"capacity {format_bytes(capacity_bytes)}")
+    axes.set_ylabel(f"{unit.binary} at the peak")
     axes.set_title(f"Peak memory per setting ({estimates[0].settings.target.upper()} model)", fontsize=10)
     axes.tick_params(axis="x", labelrotation=30, labelsize=8)
     axes.legend(fontsize=8)
