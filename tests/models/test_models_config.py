@@ -121,3 +121,24 @@ def test_validator_errors_carry_the_remat_error() -> None:
     with pytest.raises(ValidationError) as info:
         ModelConfig(preset="nope")
     assert isinstance(info.value.errors()[0]["ctx"]["error"], ConfigError)
+
+
+def test_keys_the_stock_config_writes_are_accepted_when_the_built_config_agrees() -> None:
+    """A saved config.json carries derived fields (deepseek's ``qk_head_dim``, mamba's ``intermediate_size``): they
+    are accepted when transformers keeps them, and a typo is still refused."""
+    from remat.models.build import resolve_model_config
+
+    deepseek = {"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "num_hidden_layers": 2, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "qk_head_dim": 24}
+    assert resolve_model_config(ModelConfig(config=deepseek)).qk_head_dim == 24
+    mamba = {"model_type": "mamba", "hidden_size": 64, "expand": 2, "intermediate_size": 128, "num_hidden_layers": 2}
+    assert resolve_model_config(ModelConfig(config=mamba)).intermediate_size == 128
+    with pytest.raises(ConfigError, match=r"model.config.qk_head_dimm: .* has no such field.*'qk_head_dim'"):
+        resolve_model_config(ModelConfig(config={**deepseek, "qk_head_dimm": 24}))
+
+
+def test_non_finite_config_values_survive_the_json_dump() -> None:
+    """mamba2's ``time_step_limit`` is ``[0.0, inf]``: a JSON-mode dump (what the estimate's recipe copy is made
+    from) keeps the float, where pydantic's default writes null."""
+    config = ModelConfig(config={"model_type": "mamba2", "time_step_limit": [0.0, float("inf")]})
+    assert config.model_dump(mode="json")["config"]["time_step_limit"] == [0.0, float("inf")]

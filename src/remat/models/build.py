@@ -152,27 +152,40 @@ def _config_from_mapping(mapping: dict[str, Any], cfg: ModelConfig) -> Pretraine
             f"model.config.model_type: {model_type!r} has no causal-LM class in transformers "
             "(AutoModelForCausalLM cannot build it); choose a decoder model type such as 'llama' or 'qwen3'."
         )
-    _reject_unknown_keys(config_class, model_type, fields)
+    derived = _reject_unknown_keys(config_class, model_type, fields)
     check_config_shape(config_class, fields)
     try:
-        return AutoConfig.for_model(model_type, trust_remote_code=cfg.trust_remote_code, **fields)
+        config = AutoConfig.for_model(model_type, trust_remote_code=cfg.trust_remote_code, **fields)
     except Exception as err:  # transformers raises ValueError, TypeError and huggingface_hub validation errors
         message = " ".join(str(err).split())  # transformers' validation messages span several lines
         raise ConfigError(f"model.config: transformers rejected the {model_type!r} config: {message}") from err
+    for key in derived:
+        if getattr(config, key, None) != fields[key]:
+            raise ConfigError(f"model.config.{key}: {config_class.__name__} ({model_type!r}) derives it from other "
+                              f"fields ({getattr(config, key, None)!r} here), so {fields[key]!r} would be ignored; "
+                              "drop the key or change the fields it comes from")
+    return config
 
 
-def _reject_unknown_keys(config_class: type[PretrainedConfig], model_type: str, fields: Iterable[str]) -> None:
-    """A key transformers does not know would be stored and silently ignored: a typo builds the wrong model."""
+def _reject_unknown_keys(config_class: type[PretrainedConfig], model_type: str, fields: Iterable[str]) -> set[str]:
+    """A key transformers does not know would be stored and silently ignored: a typo builds the wrong model. Returns
+    the keys known only from the stock config's own ``to_dict()`` (derived from other fields, e.g. deepseek's
+    ``qk_head_dim``): accepted when the built config agrees with them (a saved config.json carries them)."""
     known = _known_config_keys(config_class)
+    derived = set()
     for key in fields:
         if key in known or _mentioned_in_config_code(config_class, key):
             continue
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.7)
+        if key in _stock_config_keys(config_class):
+            derived.add(key)
+            continue
+        close = difflib.get_close_matches(key, sorted(known | _stock_config_keys(config_class)), n=1, cutoff=0.7)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
             f"model.config.{key}: {config_class.__name__} ({model_type!r}) has no such field, so transformers "
             f"would ignore it.{hint}"
         )
+    return derived
 
 
 @functools.cache
@@ -182,6 +195,15 @@ def _known_config_keys(config_class: type[PretrainedConfig]) -> frozenset[str]:
         names |= {f.name for f in dataclasses.fields(config_class)}
     names |= set(GenerationConfig._get_default_generation_params())  # accepted and moved to the generation config
     return frozenset(names)
+
+
+@functools.cache
+def _stock_config_keys(config_class: type[PretrainedConfig]) -> frozenset[str]:
+    """The keys the class's default config writes (``to_dict()``), derived fields included."""
+    try:
+        return frozenset(config_class().to_dict())
+    except Exception:  # a config class that cannot be built with no arguments has no stock keys to offer
+        return frozenset()
 
 
 @functools.cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import ConfigDict, field_validator, model_validator
 
 from remat.config_base import StrictModel
 from remat.errors import ConfigError
@@ -32,6 +32,9 @@ class ModelConfig(StrictModel):
     `num_hidden_layers`). A Hub id is resolved by transformers as `from_pretrained` resolves it: downloaded into
     the Hugging Face cache when online, read from that cache when offline (`HF_HUB_OFFLINE=1`).
     """
+
+    # a config's non-finite values (mamba2's time_step_limit [0.0, inf]) stay floats in mode="json" dumps, not null
+    model_config = ConfigDict(**StrictModel.model_config, ser_json_inf_nan="constants")
 
     pretrained_model_name_or_path: str | None = None
     """A local directory holding `config.json` and weights (as written by `save_pretrained`), or a Hub id such as
