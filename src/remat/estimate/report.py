@@ -150,7 +150,8 @@ def print_comparison(estimates: Sequence[MemoryEstimate], *, capacity_bytes: int
     for row in _compare_rows(estimates, capacity_bytes):
         style = "red" if capacity_bytes is not None and row[-1] == "NO" else None
         table.add_row(*row, style=style)
-    table.caption = "\n".join([_compare_note(unit), *(f"{e.name}: {host_line(e)}" for e in estimates if e.host_peak_bytes)])
+    hosts = [f"{e.name}: {host_line(e)}" for e in estimates if e.host_peak_bytes]
+    table.caption = "\n".join([_compare_note(unit), *hosts])
     Console().print(table)
 
 

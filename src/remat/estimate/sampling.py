@@ -111,7 +111,8 @@ class PeakSampler:
         todo = {(id(s), n): (s, n) for s, n in requests if (id(s), n) not in self._done}
         if self._pool is None or len(todo) < 2:
             for key, (settings, length) in todo.items():
-                self._record(key, settings, length, _outcome(lambda s=settings, n=length: sample_peak(self.model, s, n)))
+                outcome = _outcome(lambda s=settings, n=length: sample_peak(self.model, s, n))
+                self._record(key, settings, length, outcome)
         else:
             # the costliest first (tiled steps, longer sequences), so that no long one is left for the end
             order = sorted(todo, key=lambda k: (_tiled(todo[k][0]), todo[k][1]), reverse=True)

@@ -352,8 +352,9 @@ class Planner:
         described = smallest.policy.describe()
         name = smallest.label if smallest.label == described else f"{smallest.label}: {described}"
         return ConfigError(
-            f"distributed.activation_checkpointing.memory_budget: nothing fits {format_bytes(budget_bytes)}; the smallest plan "
-            f"({name}) needs {format_bytes(smallest.peak_bytes)} predicted. What would help: {'; '.join(helps)}")
+            f"distributed.activation_checkpointing.memory_budget: nothing fits {format_bytes(budget_bytes)}; the "
+            f"smallest plan ({name}) needs {format_bytes(smallest.peak_bytes)} predicted. What would help: "
+            f"{'; '.join(helps)}")
 
 
 def _composable(policy: CheckpointPolicy) -> bool:

@@ -1,0 +1,155 @@
+"""The estimate against the real CPU step on every causal LM transformers ships (issue #23, 1c).
+
+Every model type of transformers' causal-LM mapping is built from a tiny config (the generic shrink of
+tests/loss/test_loss_sweep.py); for each that builds and runs its own forward, ``remat.estimate_memory`` with
+``target="cpu"`` is compared with the exact tracked peak of the same recipe step run on real CPU tensors (the build
+and the step are the recipe's own, as in tests/estimate/test_estimate_vs_real.py). Outcomes: within 0.5%, off (with
+the error), refused in one line (a ConfigError), or crashed (any other exception). Writes
+benchmarks/results/sweep_estimate.{json,md}.
+
+    .venv/bin/python benchmarks/sweep_estimate.py [--only llama,mistral] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOLERANCE = 0.005
+SLIDING_WINDOW = 16  # tokens; the rows have 64
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tiny_config(model_type: str) -> dict[str, Any] | None:
+    """The tiny config of ``model_type`` as a mapping, or None when the shrink gives nothing that runs."""
+    sys.path.insert(0, str(ROOT / "tests" / "loss"))
+    from test_loss_sweep import _tiny_model
+
+    model = _tiny_model(model_type)
+    if model is None:
+        return None
+    config = model.config.to_dict()
+    layers = config.get("num_hidden_layers")
+    for key, value in list(config.items()):  # the shrink set num_hidden_layers on the object: per-layer lists follow
+        if isinstance(layers, int) and "layer" in key and isinstance(value, list) and len(value) > layers:
+            config[key] = value[:layers]
+    if isinstance(config.get("sliding_window"), int):
+        config["sliding_window"] = SLIDING_WINDOW  # shorter than the rows, so the windows bind
+    return config
+
+
+def _real_peak(recipe: Any) -> int:
+    from remat.distributed import DistributedSetup
+    from remat.estimate.run import SimulatedRun
+    from remat.estimate.simulate import make_batch
+    from remat.memory import LiveTensorTracker
+    from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+    from remat.recipes.step import step_label_tokens, train_step
+
+    torch.manual_seed(0)
+    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
+                                   device="cpu")
+    net = build_recipe_model(recipe, vocab_size=None)
+    root = build_training_module(net, recipe, setup)
+    params = list(net.parameters())
+    optimizer = build_optimizer(recipe, [p for p in params if p.requires_grad])
+    batches = [make_batch(recipe, SimulatedRun(target="cpu"), net.config.get_text_config().vocab_size)]
+    label_tokens = step_label_tokens(batches, setup)
+    peak = 0
+    for _ in range(2):  # the second step holds the optimizer state, as the estimate's steady state does
+        tracker = LiveTensorTracker(module=root, optimizer=optimizer)
+        with tracker:
+            train_step(root, params, optimizer, batches, setup=setup, label_tokens=label_tokens,
+                       autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm)
+        peak = tracker.peak_bytes
+    return peak
+
+
+def sweep_one(model_type: str, policy: str) -> dict[str, Any]:
+    from remat.errors import ConfigError
+    from remat.estimate.api import estimate_memory
+    from remat.estimate.settings import StepSettings
+    from remat.models import ModelConfig
+
+    config = _tiny_config(model_type)
+    if config is None:
+        return {"model_type": model_type, "policy": policy, "outcome": "not built"}
+    start = time.perf_counter()
+    try:
+        model = ModelConfig(config=config)
+        settings = StepSettings(batch_size=2, seq_length=64, target="cpu", policy=policy, loss="plain")
+        estimate = estimate_memory(model, settings)
+        real = _real_peak(settings.to_recipe(model))
+    except ConfigError as err:
+        one_line = "\n" not in str(err)
+        return {"model_type": model_type, "policy": policy, "outcome": "refused" if one_line else "crashed",
+                "message": str(err)[:300]}
+    except Exception as err:  # noqa: BLE001 (what the sweep is for: anything but a one-line refusal)
+        return {"model_type": model_type, "policy": policy, "outcome": "crashed",
+                "message": f"{type(err).__name__}: {str(err)[:300]}"}
+    error = (estimate.peak_bytes - real) / real
+    return {"model_type": model_type, "policy": policy, "estimate": estimate.peak_bytes, "real": real,
+            "error": error, "outcome": "within 0.5%" if abs(error) <= TOLERANCE else "off",
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.utils import logging as hf_logging
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model types (default: every causal LM)")
+    parser.add_argument("--policies", default="none,full")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    types = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    rows = []
+    for model_type in types:
+        for policy in args.policies.split(","):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                row = sweep_one(model_type, policy)
+            rows.append(row)
+            extra = f" {row['error']:+.3%}" if "error" in row else f" {row.get('message', '')[:100]}"
+            print(f"{model_type} {policy}: {row['outcome']}{extra}", flush=True)
+            if row["outcome"] == "not built":
+                break
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "torch": torch.__version__, "python": platform.python_version(), "tolerance": TOLERANCE,
+              "counts": counts, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "sweep_estimate" if not args.only else "sweep_estimate_subset"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = ["# The estimate against the real CPU step, every causal LM in transformers", "",
+             f"{result['date']}; torch {torch.__version__}; batch 2 x 64 tokens, float32, plain loss, AdamW, one "
+             f"process; tiny configs (tests/loss/test_loss_sweep.py's shrink, sliding windows of {SLIDING_WINDOW} "
+             "tokens). Produced by benchmarks/sweep_estimate.py.",
+             "", "| outcome | rows |", "| --- | ---: |", *(f"| {k} | {v} |" for k, v in sorted(counts.items())), "",
+             "| model type | policy | outcome | error / message |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        if row["outcome"] == "not built":
+            continue
+        detail = f"{row['error']:+.3%}" if "error" in row else row.get("message", "").replace("|", "/")[:160]
+        lines.append(f"| {row['model_type']} | {row['policy']} | {row['outcome']} | {detail} |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:12]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
