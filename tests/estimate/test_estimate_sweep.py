@@ -1,0 +1,34 @@
+"""A sample of benchmarks/sweep_estimate.py in the suite: the estimate (``target="cpu"``) of a tiny config of each
+model type equals the tracked peak of the real CPU step within 0.5% (they are equal to the byte today), or the model
+is refused in one line; nothing crashes. The sample spans dense, sliding-window with softcaps, mixture-of-experts
+with sliding windows, latent-attention MoE and state-space families; the whole mapping runs in the benchmark
+(benchmarks/results/sweep_estimate.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+
+WITHIN = ["llama", "gemma2", "cohere2_moe", "deepseek_v4", "mamba"]
+
+
+@pytest.fixture
+def sweep(benchmark_script: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_script("sweep_estimate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", WITHIN)
+def test_the_estimate_equals_the_real_cpu_step(sweep: ModuleType, model_type: str) -> None:
+    for policy in ("none", "full"):
+        row = sweep.sweep_one(model_type, policy)
+        assert row["outcome"] == "within 0.5%", row
+        assert row["estimate"] == row["real"], row  # to the byte
+
+
+def test_a_model_that_cannot_be_simulated_is_refused_in_one_line(sweep: ModuleType) -> None:
+    row = sweep.sweep_one("jetmoe", "none")
+    assert row["outcome"] == "refused", row
+    assert "on values fake tensors do not have" in row["message"]
