@@ -30,6 +30,7 @@ against real simulations (tests/estimate/test_compose.py).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,9 +38,6 @@ from typing import Any
 
 from remat.estimate.simulate import BLOCK_BACKWARD, BLOCK_FORWARD, BlockLayout, StepTrace, StorageEvent
 from remat.recipes.step import UPDATE_PHASE
-
-_REFILED = "activations"  # the category backward's first op moves forward temporaries to
-
 
 _REFILED = "activations"  # the category backward's first op moves forward temporaries to
 _TEMPORARIES = "temporaries"
@@ -75,7 +73,7 @@ class ParsedTrace:
     def allocs(self, segment: int) -> list[StorageEvent]:
         return [e for e in self.segments[segment].events if e.kind == "alloc"]
 
-    @property
+    @functools.cached_property
     def update(self) -> int:
         """The index of the segment where the optimizer update starts (the end of a partial trace)."""
         return next((i for i, key in enumerate(self.keys) if key[0] == UPDATE_PHASE), len(self.segments))
