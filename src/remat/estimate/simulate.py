@@ -43,7 +43,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,8 +79,24 @@ BLOCK_FORWARD: Final[str] = "block forward "
 BLOCK_BACKWARD: Final[str] = "block backward "
 AFTER_FORWARD: Final[str] = "after block forward "
 AFTER_BACKWARD: Final[str] = "after block backward "
-BlockLayout = tuple[Any, ...]
-"""What one block got, as far as its allocations go (`block_layout`): blocks with equal layouts record equal events."""
+
+
+class BlockLayout(NamedTuple):
+    """What one block got, as far as its allocations go (`block_layout`): blocks with equal layouts record equal
+    events."""
+
+    mode: str
+    wrapped: tuple[str, ...]
+    offload: bool
+    segment: tuple[int, int] | None
+    tiled: tuple[str, ...]
+    tiled_norms: int
+    tile_tokens: int | None
+
+    @property
+    def spans_blocks(self) -> bool:
+        """Recomputed together with other blocks (a segment of several)."""
+        return self.segment is not None and self.segment[0] != self.segment[1]
 
 
 @dataclass(frozen=True)
@@ -380,8 +396,9 @@ def block_layout(layer: Any) -> BlockLayout:
     """What a block got (a `LayerPlan`, or None for a block the policy left alone), as far as its allocations go:
     its mode, what is wrapped, offloading, tiling and the blocks recomputed with it."""
     if layer is None:
-        return ("none", (), False, None, (), 0, None)
-    return (layer.mode, layer.wrapped, layer.offload, layer.segment, layer.tiled, layer.tiled_norms, layer.tile_tokens)
+        return BlockLayout("none", (), False, None, (), 0, None)
+    return BlockLayout(layer.mode, layer.wrapped, layer.offload, layer.segment, layer.tiled, layer.tiled_norms,
+                       layer.tile_tokens)
 
 
 def _record_blocks(trace: StepTrace, net: nn.Module, recipe: RecipeConfig, setup: DistributedSetup,

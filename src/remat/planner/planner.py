@@ -164,7 +164,7 @@ class Planner:
                 return None  # the simulation says why
             applied = {layer.index: layer for layer in plan.layers}
             layouts = [block_layout(applied.get(block.index)) for block in search.blocks]
-        if any(layout[2] or (layout[3] is not None and layout[3][0] != layout[3][1]) for layout in layouts):
+        if any(layout.offload or layout.spans_blocks for layout in layouts):
             return None  # offloaded or recomputed over several blocks
         return compose(layouts, self._traces)
 
