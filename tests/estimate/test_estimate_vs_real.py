@@ -114,6 +114,10 @@ def test_data_dependent_expert_routing_is_simulated_balanced(policy: str) -> Non
     """longcat_flash loops over the experts its router chose (``nonzero``, ``.item()``): fake tensors cannot decide
     that, so the estimate routes every expert the same number of tokens (its note says so). The real router's
     imbalance keeps the real step within 0.5% of that."""
+    from transformers import CONFIG_MAPPING
+
+    if "longcat_flash" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no longcat_flash")
     model = ModelConfig(config=LONGCAT)
     settings = StepSettings(batch_size=2, seq_length=64, target="cpu", policy=policy, loss="plain")
     estimate = estimate_memory(model, settings)
