@@ -97,16 +97,15 @@ NOT_RUN: dict[tuple[str, int], str] = {
 
 def tiny_trainer() -> object:
     """A Trainer of a tiny Llama on 8 rows, for the README's prepare_trainer line."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from tiny import tiny_causal_lm
+    from transformers import Trainer, TrainingArguments
 
     torch = __import__("torch")
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=16)
+    model = tiny_causal_lm(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=16)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (8, 16))]
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=2, max_steps=1, report_to=[],
                              use_cpu=True, save_strategy="no", disable_tqdm=True)
-    return Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=rows)
+    return Trainer(model=model, args=args, train_dataset=rows)
 
 
 def test_every_python_block_of_the_docs_is_run_or_says_why_not() -> None:
