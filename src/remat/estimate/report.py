@@ -36,10 +36,10 @@ class _Unit:
     decimal: str
     decimal_bytes: float
 
-    def bin(self, nbytes: int) -> str:
+    def in_binary(self, nbytes: int) -> str:
         return f"{nbytes / self.binary_bytes:.2f}"
 
-    def dec(self, nbytes: int) -> str:
+    def in_decimal(self, nbytes: int) -> str:
         return f"{nbytes / self.decimal_bytes:.2f}"
 
 
@@ -71,9 +71,10 @@ def describe_settings(estimate: MemoryEstimate) -> str:
 def breakdown_table(estimate: MemoryEstimate, *, capacity_bytes: int | None = None) -> str:
     """A plain-text report of one estimate: the breakdown at the peak and the other figures."""
     unit = _unit(estimate.peak_bytes)
-    rows = [(name, unit.bin(estimate.breakdown.get(name, 0)), unit.dec(estimate.breakdown.get(name, 0)),
-             _share(estimate.breakdown.get(name, 0), estimate.peak_bytes)) for name in ESTIMATE_CATEGORIES]
-    rows.append(("peak", unit.bin(estimate.peak_bytes), unit.dec(estimate.peak_bytes), "100%"))
+    breakdown = {name: estimate.breakdown.get(name, 0) for name in ESTIMATE_CATEGORIES}
+    rows = [(name, unit.in_binary(nbytes), unit.in_decimal(nbytes), _share(nbytes, estimate.peak_bytes))
+            for name, nbytes in breakdown.items()]
+    rows.append(("peak", unit.in_binary(estimate.peak_bytes), unit.in_decimal(estimate.peak_bytes), "100%"))
     lines = [f"{estimate.name}: {describe_settings(estimate)}",
              _columns(("at the peak", unit.binary, unit.decimal, "share"), rows),
              f"peak phase: {estimate.phase}",
@@ -107,9 +108,10 @@ def _compare_rows(estimates: Sequence[MemoryEstimate], capacity_bytes: int | Non
     rows = []
     for e in estimates:
         b = e.breakdown
-        row = (e.name, unit.bin(e.peak_bytes), unit.dec(e.peak_bytes), unit.bin(b["parameters"] + b["buffers"]),
-               unit.bin(b["gradients"] + b["gradient_buckets"]), unit.bin(b["optimizer_state"]),
-               unit.bin(b["activations"]), unit.bin(b["temporaries"]), e.phase)
+        row = (e.name, unit.in_binary(e.peak_bytes), unit.in_decimal(e.peak_bytes),
+               unit.in_binary(b["parameters"] + b["buffers"]), unit.in_binary(b["gradients"] + b["gradient_buckets"]),
+               unit.in_binary(b["optimizer_state"]), unit.in_binary(b["activations"]),
+               unit.in_binary(b["temporaries"]), e.phase)
         if capacity_bytes is not None:
             row += ("yes" if e.fits(capacity_bytes) else "NO",)
         rows.append(row)
@@ -180,7 +182,7 @@ def plot_breakdowns(estimates: Sequence[MemoryEstimate], path: str | Path, *,
         axes.bar(names, values, bottom=bottoms, label=category.replace("_", " "), color=_COLORS[category])
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     for index, e in enumerate(estimates):
-        axes.text(index, bottoms[index], unit.bin(e.peak_bytes), ha="center", va="bottom", fontsize=8)
+        axes.text(index, bottoms[index], unit.in_binary(e.peak_bytes), ha="center", va="bottom", fontsize=8)
     if capacity_bytes is not None:
         axes.axhline(capacity_bytes / unit.binary_bytes, color="black", linestyle="--", linewidth=1,
                      label=f"capacity {format_bytes(capacity_bytes)}")
