@@ -29,7 +29,7 @@ def _recipe(strategy: str = "single", world: int = 1, *, fused: bool = False, ac
             dtype: str | None = None) -> Any:
     model = {**TINY, "dtype": dtype} if dtype else TINY
     return validate_recipe(tiny_recipe(
-        model=model, dataset={"seq_length": 128},
+        model=model, dataset={"seq_length": 64},
         step_scheduler={"global_batch_size": 2 * world * accumulation, "local_batch_size": 2},
         distributed={"strategy": strategy}, **({"loss_fn": {"_target_": "remat.loss.FusedLinearCrossEntropy"}}
                                                if fused else {})))
