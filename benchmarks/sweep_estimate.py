@@ -47,31 +47,12 @@ def _tiny_config(model_type: str) -> dict[str, Any] | None:
     return config
 
 
-def _real_peak(recipe: Any) -> int:
-    from remat.distributed import DistributedSetup
-    from remat.estimate.run import SimulatedRun
-    from remat.estimate.simulate import make_batch
-    from remat.memory import LiveTensorTracker
-    from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
-    from remat.recipes.step import step_label_tokens, train_step
+def _real_peak(settings: Any, model: Any) -> int:
+    """The tracked peak of the recipe's second step on real CPU tensors (the estimate suite's own reference)."""
+    sys.path.insert(0, str(ROOT / "tests" / "estimate"))
+    from test_estimate_vs_real import _real_peaks
 
-    torch.manual_seed(0)
-    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
-                                   device="cpu")
-    net = build_recipe_model(recipe, vocab_size=None)
-    root = build_training_module(net, recipe, setup)
-    params = list(net.parameters())
-    optimizer = build_optimizer(recipe, [p for p in params if p.requires_grad])
-    batches = [make_batch(recipe, SimulatedRun(target="cpu"), net.config.get_text_config().vocab_size)]
-    label_tokens = step_label_tokens(batches, setup)
-    peak = 0
-    for _ in range(2):  # the second step holds the optimizer state, as the estimate's steady state does
-        tracker = LiveTensorTracker(module=root, optimizer=optimizer)
-        with tracker:
-            train_step(root, params, optimizer, batches, setup=setup, label_tokens=label_tokens,
-                       autocast_dtype=recipe.model.autocast, max_norm=recipe.clip_grad_norm.max_norm)
-        peak = tracker.peak_bytes
-    return peak
+    return int(_real_peaks(settings, model=model)[1])
 
 
 def sweep_one(model_type: str, policy: str) -> dict[str, Any]:
@@ -88,7 +69,7 @@ def sweep_one(model_type: str, policy: str) -> dict[str, Any]:
         model = ModelConfig(config=config)
         settings = StepSettings(batch_size=2, seq_length=64, target="cpu", policy=policy, loss="plain")
         estimate = estimate_memory(model, settings)
-        real = _real_peak(settings.to_recipe(model))
+        real = _real_peak(settings, model)
     except RematError as err:  # remat's own refusals (ConfigError, CheckpointingError, ...)
         one_line = "\n" not in str(err)
         return {"model_type": model_type, "policy": policy, "outcome": "refused" if one_line else "crashed",

@@ -71,7 +71,7 @@ def _real_peaks(settings: StepSettings, *, host_copies: bool = False,
     root = build_training_module(net, recipe, setup)
     params = list(net.parameters())
     optimizer = build_optimizer(recipe, [p for p in params if p.requires_grad])
-    batches = [make_batch(recipe, settings.run(), net.config.vocab_size)] * settings.grad_accumulation
+    batches = [make_batch(recipe, settings.run(), net.config.get_text_config().vocab_size)] * settings.grad_accumulation
     label_tokens = step_label_tokens(batches, setup)
     peaks = []
     for _ in range(2):
