@@ -45,33 +45,32 @@ def _sources(recipe: Any, run: SimulatedRun) -> list[Any]:
             for mode in MODES]
 
 
+def _assert_mixes_compose(recipe: Any, run: SimulatedRun) -> tuple[list[Any], Any]:
+    """Every `MIXES` policy composed from the uniform traces replays as its own simulation; returns the sources and
+    the last simulated trace."""
+    sources = _sources(recipe, run)
+    for modes in MIXES:
+        simulated = simulate_step(recipe.with_checkpointing(policy_of(modes)), run, blocks=True)
+        composed = compose(simulated.layers, sources)
+        assert composed is not None, modes
+        assert _replays(composed) == _replays(simulated), modes
+    return sources, simulated
+
+
 @pytest.mark.parametrize(("strategy", "world", "fused", "target", "accumulation"), [
     ("fsdp2", 2, True, "cuda", 1),
     ("single", 1, False, "cuda", 2),
 ])
 def test_a_composed_mix_replays_as_its_simulation(strategy: str, world: int, fused: bool, target: str,
                                                   accumulation: int) -> None:
-    recipe = _recipe(strategy, world, fused=fused, accumulation=accumulation)
-    run = SimulatedRun(target=target, world_size=world)
-    sources = _sources(recipe, run)
-    for modes in MIXES:
-        simulated = simulate_step(recipe.with_checkpointing(policy_of(modes)), run, blocks=True)
-        composed = compose(simulated.layers, sources)
-        assert composed is not None, modes
-        assert _replays(composed) == _replays(simulated), modes
+    _assert_mixes_compose(_recipe(strategy, world, fused=fused, accumulation=accumulation),
+                          SimulatedRun(target=target, world_size=world))
 
 
 def test_bfloat16_block_outputs_die_where_their_last_holder_lets_go() -> None:
     # bfloat16: the norm saves a float32 copy, so a block output's last holder is the decoder's loop under none and
     # the next block under full; alternating them, each output dies where the next block's trace says
-    recipe = _recipe(fused=True, dtype="bfloat16")
-    run = SimulatedRun(target="cuda")
-    sources = _sources(recipe, run)
-    for modes in MIXES:
-        simulated = simulate_step(recipe.with_checkpointing(policy_of(modes)), run, blocks=True)
-        composed = compose(simulated.layers, sources)
-        assert composed is not None, modes
-        assert _replays(composed) == _replays(simulated), modes
+    sources, simulated = _assert_mixes_compose(_recipe(fused=True, dtype="bfloat16"), SimulatedRun(target="cuda"))
     # a block that could hold tensors it was not given (models sharing keys and values between blocks) leaves the
     # lifetime open: composition declines rather than guesses
     sources[0].trace.blocks = None
