@@ -92,9 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default="none,full")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    from remat.checkpointing import parse_policy
+    from remat.errors import RematError
+
+    try:  # a misspelt policy or model type is one line before any model is built
+        for policy in args.policies.split(","):
+            parse_policy(policy, key="--policies")
+    except RematError as err:
+        parser.error(str(err))
+    types = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    unknown = sorted(set(types) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    if unknown:
+        parser.error(f"--only: {', '.join(unknown)} not in transformers' causal-LM mapping")
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
-    types = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     rows = []
     for model_type in types:
         for policy in args.policies.split(","):
