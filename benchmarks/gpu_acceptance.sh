@@ -21,9 +21,10 @@ PY=${PYTHON:-python3}
 WHL=${WHEELS_DIR:-.whl}
 
 # Python packages a GPU image with torch and transformers may lack (remat's config validation, the kernel packages
-# the loss comparison calls), at the versions this project tests (constraints.txt, the cuda-kernels extra).
+# the loss comparison calls, datasets for the data tests), at the versions this project tests (constraints.txt, the
+# cuda-kernels extra; dill and multiprocess as datasets pulls them in).
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
-        liger-kernel==0.8.5 cut-cross-entropy==25.1.1)
+        datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 cut-cross-entropy==25.1.1)
 
 fetch_wheels() {
   mkdir -p "$WHL"

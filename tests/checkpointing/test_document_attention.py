@@ -21,6 +21,7 @@ from ckpt_models import (
 )
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.auto import AutoModelForCausalLM
 from remat.checkpointing import apply_activation_checkpointing
@@ -107,11 +108,16 @@ def test_sliding_windows_shorter_than_the_documents(arch: str, attn_implementati
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the boundary reads, each of which must run outside every checkpointed region: selective
+    checkpointing's dispatch modes would see its ops in a layer's forward but not in that layer's recompute (which
+    finds the boundaries cached), and its per-op replay would shift (see the NOTE in document_attention.py)."""
     calls = [0]
     compute = document_attention._compute_documents
 
     def counted(position_ids: torch.Tensor) -> Any:
         calls[0] += 1
+        modes = _get_current_dispatch_mode_stack()
+        assert not modes, f"boundaries read under {modes}: inside a checkpointed region"
         return compute(position_ids)
 
     monkeypatch.setattr(document_attention, "_compute_documents", counted)
@@ -137,6 +143,8 @@ def test_checkpointed_gradients_equal_the_uncheckpointed_run_and_boundaries_are_
     assert calls[0] == 1  # every layer, forward and recompute, used the boundaries read once
     _step(model, ids, position_ids=PACKED.clone())
     assert calls[0] == 2  # a new step's position_ids are read again
+    _step(model, ids, position_ids=None)
+    assert calls[0] == 3  # the decoder's own positions, passed to its layers, are read before the layers too
 
 
 def _one_layer_llama() -> nn.Module:

@@ -59,13 +59,21 @@ def test_pinned_offload_on_a_side_stream_moves_activations_and_keeps_gradients()
     assert offload_peak <= plain_peak - 3 * ACT_BYTES, (offload_peak, plain_peak)
 
 
-def test_offload_policy_on_a_gpu_model_moves_block_inputs_and_keeps_gradients() -> None:
+@pytest.mark.parametrize("policy", ["offload", {"mode": "full", "offload": True}], ids=["offload", "full+offload"])
+def test_offload_policies_on_a_gpu_model_move_what_they_save_and_keep_gradients(policy: object) -> None:
+    """``offload`` keeps every tensor a block saves, on the host (its attention and MLP activations: dozens per
+    layer); ``full`` + offload saves only each block's input, the hidden states, and moves those (first GPU run,
+    2026-11-26: 78 and 4 tensors on the tiny Llama, as the CPU bookkeeping with ``copy_cpu_tensors`` counts)."""
     model = tiny_model("llama").cuda()
     ids = batch().cuda()
     expected = step_grads(model, ids)
     context = OffloadActivations(min_bytes=0, module=model)  # pinned, side stream; tiny tensors count here
-    plan = apply_activation_checkpointing(model, "offload", offload_context=context)
+    plan = apply_activation_checkpointing(model, policy, offload_context=context)
     assert_same_grads(expected, step_grads(model, ids))
-    assert context.stats.offloaded_tensors == model.config.num_hidden_layers  # each attention's hidden_states
+    layers = model.config.num_hidden_layers
+    if policy == "offload":
+        assert context.stats.offloaded_tensors > 10 * layers and context.stats.skipped["parameter"] > 0
+    else:
+        assert context.stats.offloaded_tensors == layers  # each block's hidden_states
     assert context.stats.restored_tensors == context.stats.offloaded_tensors
     assert plan.offload_context is context

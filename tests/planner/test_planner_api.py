@@ -289,3 +289,24 @@ def test_remat_plan_plans_for_what_the_recipe_would_train_on_here(tmp_path: Path
         out = tmp_path / f"plan-{expected}.json"
         assert main(["plan", str(path), "--budget", "1GiB", "--json", str(out), *flags]) == 0
         assert json.loads(out.read_text())["target"] == expected
+
+
+def test_remat_plan_below_every_plan_answers_after_the_floor_without_the_frontier(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`remat plan --budget 1MiB`: the floor's one estimate (full, on the CPU) says nothing fits; the frontier of
+    every uniform policy is not priced for a report that could show no plan."""
+    from remat.cli import main
+
+    priced: list[str] = []
+    candidate = Planner._candidate
+
+    def counted(self: Planner, label: str, *args: Any, **kwargs: Any) -> Any:
+        priced.append(label)
+        return candidate(self, label, *args, **kwargs)
+
+    monkeypatch.setattr(Planner, "_candidate", counted)
+    path = _recipe_file(tmp_path, activation_checkpointing="auto")
+    assert main(["plan", str(path), "--budget", "1MiB"]) == 1
+    printed = capsys.readouterr().out
+    assert "frontier: not priced" in printed and "nothing fits 1.00 MiB" in printed
+    assert priced == ["full"]

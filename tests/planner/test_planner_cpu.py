@@ -93,16 +93,20 @@ def _forward_backward(recipe: RecipeConfig) -> tuple[int, dict[str, torch.Tensor
     return int(counter.get_total_flops()), grads
 
 
-_FLOPS: dict[tuple[int, str], int] = {}
+_FLOPS: dict[tuple[str, str, str], int] = {}
 
 
 def _real_recompute_flops(planner: Planner, policy: CheckpointPolicy) -> int:
     """Real FLOPs of a forward and backward under ``policy`` minus those without checkpointing (cached)."""
+    # Keyed by what the planner plans for, not by id(planner): a fixture's planner freed after its tests may leave its
+    # id to the next one, which then read the other model's FLOPs (seen: moe-fp32 given moe's selective count).
+    def key(of: CheckpointPolicy) -> tuple[str, str, str]:
+        return repr(planner.model), repr(planner.settings), repr(of)
+
     for key_policy in (CheckpointPolicy(mode="none"), policy):
-        key = (id(planner), repr(key_policy))
-        if key not in _FLOPS:
-            _FLOPS[key] = _forward_backward(_recipe(planner, key_policy))[0]
-    return _FLOPS[(id(planner), repr(policy))] - _FLOPS[(id(planner), repr(CheckpointPolicy(mode="none")))]
+        if key(key_policy) not in _FLOPS:
+            _FLOPS[key(key_policy)] = _forward_backward(_recipe(planner, key_policy))[0]
+    return _FLOPS[key(policy)] - _FLOPS[key(CheckpointPolicy(mode="none"))]
 
 
 @pytest.mark.slow

@@ -92,13 +92,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(f"unrecognized arguments: {' '.join(overrides)} (dotted recipe overrides need a recipe; "
                               "a model takes the step flags)")
         chooser, planner, budgets = _model_planner(args, source, step_flags)
-    frontier = planner.uniform_candidates(max(budgets))
     answers = []
     for budget in budgets:
         try:
             answers.append(BudgetAnswer(budget, chooser.plan(budget, all_candidates=True)))
         except ConfigError as err:
             answers.append(BudgetAnswer(budget, None, str(err)))
+    # Each plan priced every uniform policy for its budget, so the frontier costs nothing more then; when no budget
+    # reaches the smallest plan's peak (said after the one to three estimates of the floor), it is not priced at all.
+    fits = any(answer.plan is not None for answer in answers)
+    frontier = planner.uniform_candidates(max(budgets)) if fits else []
     print(report_text(planner, frontier, answers))
     if args.json:
         from remat.commands._output import write_json

@@ -34,7 +34,8 @@ around the op, above the live-tensor tracker, so that the tracker sees it in the
   heads, dK and dV expanded to all query heads (``[batch, seq_k, heads, head_dim]`` each, in the input dtype);
 - efficient backward (CUTLASS kernel): ``delta`` ``[batch, heads, seq_q]`` fp32 and, for fp16/bf16 inputs, the fp32
   dQ accumulator ``[batch, heads, round64(seq_q), round64(head_dim)]``, an upper bound of the kernel's
-  ``workspace_size()`` (its exact tile shapes depend on the GPU generation).
+  ``workspace_size()`` (its exact tile shapes depend on the GPU generation);
+- softmax backward (``_softmax_backward_data``, the math and eager paths): ``grad * output``, the gradient's size.
 
 Kernel choice follows PyTorch 2.8-2.13 with default settings (priority flash, efficient, math); cuDNN attention,
 which recent PyTorch versions prefer on some Hopper/Blackwell setups with a new cuDNN, is not modelled.
@@ -221,9 +222,18 @@ def _efficient_backward_workspace(args: tuple[Any, ...]) -> list[torch.Tensor]:
     return workspace
 
 
+def _softmax_backward_workspace(args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """CUDA's softmax backward (``softmax_backward_cuda_out``) first computes ``grad * output`` into a temporary of
+    the gradient's size and reduces that: for the math and eager attention paths, one more ``[batch, heads, q, k]``
+    tensor while the kernel runs (seen on an H200, torch 2.11: 128 MiB at 4 x 1024 tokens, 8 heads, fp32)."""
+    grad, output = args[0], args[1]
+    return [torch.empty(grad.shape, dtype=torch.result_type(grad, output), device=grad.device)]
+
+
 _WORKSPACES: Final[dict[Any, Callable[[tuple[Any, ...]], list[torch.Tensor]]]] = {
     _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward_workspace,
     _aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward_workspace,
+    _aten._softmax_backward_data.default: _softmax_backward_workspace,
 }
 
 
@@ -232,7 +242,8 @@ CPU_ATTENTION_OP: Final[Any] = _aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def backward_workspace(func: Any, args: tuple[Any, ...]) -> list[torch.Tensor] | None:
-    """The tensors a CUDA attention backward kernel allocates inside itself for this op call (None for other ops).
+    """The tensors a CUDA backward kernel (attention's, softmax's) allocates inside itself for this op call (None for
+    other ops).
 
     Create them right before running the op and drop them right after, inside a live-tensor tracker, so that the
     tracker counts them while the kernel runs.

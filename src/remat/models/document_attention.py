@@ -14,6 +14,8 @@ the previous one plus one, and at the start of every row.
 
 - **One host sync per forward**: the boundaries are read to the host once per ``position_ids`` tensor and cached on
   that tensor's identity (and version), so the other layers and the recompute of checkpointed blocks reuse them.
+  The read happens in a forward pre-hook of each decoder layer, outside any checkpointed region (see the NOTE at
+  :func:`read_documents_before_the_layer`).
 - **No or fake ``position_ids``** (the estimate's fake tensors, the meta device): each row is one document, an upper
   bound of the memory and FLOPs of a packed row.
 - **Sliding windows** (``sliding_window`` passed by the layer): a document longer than the window runs in query
@@ -125,6 +127,31 @@ def documents_of(position_ids: Any, batch: int, length: int) -> Documents | None
                          "this model")
     documents = _CACHE.documents(position_ids)
     return None if documents is None or all(len(row) == 2 for row in documents.rows) else documents
+
+
+# NOTE [ Boundaries are read outside checkpointed regions ]
+# Selective checkpointing replays the forward's per-op decisions by call index in the recompute (torch 2.11 asks the
+# policy again and remat replays; torch 2.13+ replays its own cache by index), and on an accelerator it saves the
+# device-to-host copy of the boundary read. Read inside layer 0's checkpointed forward and then found in the cache by
+# its recompute, that copy made the recompute's ``_to_copy`` calls one fewer than the forward's: the next cast (the
+# RMSNorm's ``.to(float32)``) was handed the saved boolean host copy ("Autograd not support dtype: Bool", seen on an
+# H200 with torch 2.11). Module hooks run in ``__call__``, outside the region a wrapped layer checkpoints, and the
+# recompute does not run them again: a pre-hook on each decoder layer fills the cache before any region starts, so the
+# forward and the recompute of every layer make the same ops (none) for the boundaries.
+
+
+def read_documents_before_the_layer(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook of a decoder layer: read the boundaries of its ``position_ids`` into the cache (see the NOTE
+    above); the attention inside the layer then finds them there, in the forward and in the recompute alike."""
+    position_ids = kwargs.get("position_ids")
+    if (isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and not is_fake(position_ids)
+            and position_ids.device.type != "meta"):
+        _CACHE.documents(position_ids)
+
+
+def _decoder_layers(decoder: nn.Module) -> list[nn.Module]:
+    """The modules of the decoder's own layer lists (``decoder.layers`` and the like)."""
+    return [layer for child in decoder.children() if isinstance(child, nn.ModuleList) for layer in child]
 
 
 # ------------------------------------------------------------------------------------------------ per-slice kernels
@@ -298,6 +325,8 @@ def use_document_attention(model: nn.Module, setting: DocumentAttention, *, pack
         model.set_attn_implementation(variant)  # type: ignore[operator]
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         decoder.register_forward_pre_hook(guard_padding_mask, with_kwargs=True)  # type: ignore[union-attr]
+        for layer in _decoder_layers(decoder):  # type: ignore[arg-type]
+            layer.register_forward_pre_hook(read_documents_before_the_layer, with_kwargs=True)
         reason = ("model.document_attention is true" if setting is True else
                   "packed rows" if packed else "rows may be packed")
         line = (f"attention: {variant} ({name} per document, {reason}: no [tokens, tokens] mask is built; "

@@ -64,9 +64,12 @@ def report_text(planner: Planner, frontier: Sequence[Candidate], answers: Sequen
         f"{'' if s.strategy == 'single' else f' over {s.world_size} ranks'}, target {s.target}; "
         f"{m.num_blocks} blocks of {len(m.kinds)} kind(s) measured in {m.seconds:.1f} s",
         "",
-        "frontier: uniform policies (peak by the estimate, recompute per step):",
-        *candidate_rows(frontier, m.step_flops * s.grad_accumulation, fits=False),
     ]
+    if frontier:
+        lines += ["frontier: uniform policies (peak by the estimate, recompute per step):",
+                  *candidate_rows(frontier, m.step_flops * s.grad_accumulation, fits=False)]
+    else:
+        lines.append("frontier: not priced (no budget reaches the smallest plan's peak; each budget says what it needs)")
     for answer in answers:
         lines += ["", f"budget {format_bytes(answer.budget_bytes)}:"]
         if answer.plan is None:
