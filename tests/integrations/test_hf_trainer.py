@@ -165,3 +165,57 @@ def test_a_mixture_of_experts_model_trains_exactly_and_plans_within_its_budget(t
     assert plan.peak_bytes <= budget
     trainer.train()
     assert all(r["peak_mem_gib"] * 2**30 <= budget * 1.0001 for r in _logged(trainer))
+
+
+def _budget_near_none(trainer: Trainer) -> int:
+    """A budget three quarters of the way from full's peak to none's: a plan that recomputes some blocks, with room
+    for the re-plan after an out-of-memory error (planned for 10% below the failed plan's prediction)."""
+    none, full = (remat.estimate_memory(trainer.model.config, batch_size=2, seq_length=LENGTH, target="cpu",
+                                        policy=policy, grad_accumulation=2).peak_bytes for policy in ("none", "full"))
+    return full + 3 * (none - full) // 4
+
+
+def _out_of_memory_at(trainer: Trainer, backward: int) -> list[int]:
+    """Raise `torch.OutOfMemoryError` once, in the ``backward``-th micro-batch's backward, at the embedding's
+    gradient: the last one backward computes, so every other parameter holds a partial gradient by then."""
+    calls: list[int] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        calls.append(len(calls) + 1)
+        if len(calls) == backward:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return grad
+
+    trainer.model.get_input_embeddings().weight.register_hook(hook)
+    return calls
+
+
+def test_an_out_of_memory_error_in_a_steps_first_micro_batch_is_replanned_and_retried_exactly(
+        reference: list[dict[str, Any]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    trainer = _trainer(tmp_path)
+    plan = remat.prepare_trainer(trainer, "auto", memory_budget=_budget_near_none(trainer), target="cpu")
+    blocks = trainer.model.model.layers
+    assert not all(is_checkpointed(block) for block in blocks)  # the budget's plan leaves some blocks alone
+    calls = _out_of_memory_at(trainer, backward=3)  # step 2, micro-batch 1
+    with caplog.at_level(logging.WARNING, logger="remat.integrations.hf_trainer"):
+        trainer.train()
+    assert len(calls) == 9  # 4 steps x 2 micro-batches, and the failed one again
+    line = next(r.getMessage() for r in caplog.records if "re-planned" in r.getMessage())
+    assert line.startswith("remat: out of memory in step 2 (CUDA out of memory. Tried to allocate 2.00 GiB "
+                           f"(injected)): re-planned {plan.policy.describe()}")
+    assert line.endswith("retrying the micro-batch (re-plan 1/3)")
+    assert all(is_checkpointed(block) for block in blocks)  # the new plan keeps less: here, every block
+    for got, want in zip(_logged(trainer), reference, strict=True):  # the gradients the failure left were dropped
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
+
+
+def test_an_out_of_memory_error_in_a_later_micro_batch_is_raised_with_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    trainer = _trainer(tmp_path)
+    remat.prepare_trainer(trainer, "auto", memory_budget=_budget_near_none(trainer), target="cpu")
+    _out_of_memory_at(trainer, backward=4)  # step 2, micro-batch 2: micro-batch 1's gradients are accumulated
+    with caplog.at_level(logging.ERROR, logger="remat.integrations.hf_trainer"):
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            trainer.train()
+    assert any("out of memory in step 2 under" in r.getMessage() and "not retried: a later micro-batch of the step"
+               in r.getMessage() for r in caplog.records)

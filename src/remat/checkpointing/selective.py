@@ -217,21 +217,55 @@ def draws_random_numbers(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, An
     op would shift the generator for every random op after it and silently change their dropout masks. Attention
     kernels carry the ``nondeterministic_seeded`` tag whatever their ``dropout_p``, so that argument decides.
     """
-    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+    return _draws(_info(op), args, kwargs)
+
+
+def _draws(info: _OpInfo, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    if not info.seeded:
         return False
-    schema = getattr(op, "_schema", None)
-    if schema is None:
+    if info.dropout is None:
         return True
-    for position, argument in enumerate(schema.arguments):
-        if argument.name == "dropout_p":
-            if argument.name in kwargs:
-                value = kwargs[argument.name]
-            elif position < len(args):
-                value = args[position]
-            else:
-                value = argument.default_value
-            return bool(value) and float(value) > 0.0
-    return True
+    position, default = info.dropout
+    value = kwargs["dropout_p"] if "dropout_p" in kwargs else args[position] if position < len(args) else default
+    return bool(value) and float(value) > 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _OpInfo:
+    """What the policy and the guard need to know of an op, read from its schema once per process: one dictionary
+    lookup per call instead of one per question (an ``OpOverload``'s hash is a Python method, and selective
+    checkpointing asks for every op of every checkpointed forward)."""
+
+    op: Any  # held, so that its id (the cache key) is never reused by another object
+    name: str
+    rule: tuple[Decision | None, str]
+    written: tuple[tuple[int, str], ...]  # (position, name) of each argument the op writes into
+    returns_alias: bool  # an output declared as an alias of an input (views, in-place ops)
+    seeded: bool  # tagged nondeterministic_seeded: may draw random numbers
+    dropout: tuple[int, Any] | None  # (position, default) of its dropout_p argument, when it has one
+
+
+_op_infos: dict[int, _OpInfo] = {}  # keyed by id(op): an int hashes in C, an OpOverload in Python
+
+
+def _info(op: Any) -> _OpInfo:
+    info = _op_infos.get(id(op))
+    if info is None:
+        schema = getattr(op, "_schema", None)
+        dropout = None
+        if schema is not None:
+            dropout = next(((i, a.default_value) for i, a in enumerate(schema.arguments) if a.name == "dropout_p"),
+                           None)
+        info = _op_infos[id(op)] = _OpInfo(
+            op=op,
+            name=_op_name(op),
+            rule=_static_rule(op),
+            written=_schema_written(schema),
+            returns_alias=schema is None or any(r.alias_info is not None for r in schema.returns),
+            seeded=torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()),
+            dropout=dropout,
+        )
+    return info
 
 
 def _on_accelerator(value: Any) -> bool:
@@ -271,19 +305,13 @@ def _static_rule(op: Any) -> tuple[Decision | None, str]:
     An op that writes into an input is recomputed whatever the tables say (see :data:`_IN_PLACE_REASON`).
     """
     decision, reason = _table_rule(op)
-    if decision is not Decision.RECOMPUTE and _written_arguments(op):
+    if decision is not Decision.RECOMPUTE and _schema_written(getattr(op, "_schema", None)):
         return Decision.RECOMPUTE, f"{_IN_PLACE_REASON} (otherwise: {reason})"
     return decision, reason
 
 
-_static_rules: dict[Any, tuple[Decision | None, str]] = {}
-
-
 def _rule_for(op: Any) -> tuple[Decision | None, str]:
-    rule = _static_rules.get(op)
-    if rule is None:
-        rule = _static_rules[op] = _static_rule(op)
-    return rule
+    return _info(op).rule
 
 
 class SelectivePolicy:
@@ -310,11 +338,12 @@ class SelectivePolicy:
         self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any, *, is_recompute: bool = False
     ) -> tuple[Decision, bool, str]:
         """(decision, whether this call's output is saved, reason) for one op call; advances the matmul count."""
-        if draws_random_numbers(op, args, kwargs):
+        info = _info(op)
+        if _draws(info, args, kwargs):
             return Decision.RECOMPUTE, False, _RANDOM_REASON
-        decision, reason = _rule_for(op)
+        decision, reason = info.rule
         if decision is None:  # a device-to-host candidate: saved only when it really leaves the accelerator
-            decision = Decision.SAVE if _moves_to_host(_op_name(op), args, kwargs, out) else Decision.RECOMPUTE
+            decision = Decision.SAVE if _moves_to_host(info.name, args, kwargs, out) else Decision.RECOMPUTE
             if decision is Decision.RECOMPUTE:
                 reason = "stays on the host: " + _DEFAULT_REASON
         if decision is Decision.ALTERNATE:
@@ -402,29 +431,18 @@ PolicyFn = Callable[..., "CheckpointPolicy | bool"]
 
 def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
     """(position, name) of each argument the op writes into (``Tensor(a!)`` in its schema); () without a schema."""
-    found = _written_args_cache.get(op)
-    if found is None:
-        schema = getattr(op, "_schema", None)
-        found = () if schema is None else tuple(
-            (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        )
-        _written_args_cache[op] = found
-    return found
+    return _info(op).written
+
+
+def _schema_written(schema: Any) -> tuple[tuple[int, str], ...]:
+    return () if schema is None else tuple(
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _returns_alias(op: Any) -> bool:
     """Whether the schema declares an output as an alias of an input (views, in-place ops). Such an output shares
     its input's version counter; an output that shares storage without the annotation (``_unsafe_view``) does not."""
-    found = _returns_alias_cache.get(op)
-    if found is None:
-        schema = getattr(op, "_schema", None)
-        found = schema is None or any(r.alias_info is not None for r in schema.returns)
-        _returns_alias_cache[op] = found
-    return found
-
-
-_written_args_cache: dict[Any, tuple[tuple[int, str], ...]] = {}
-_returns_alias_cache: dict[Any, bool] = {}
+    return _info(op).returns_alias
 
 
 def _storage_ids(value: Any) -> set[int]:
@@ -497,20 +515,20 @@ class _MutationGuard:
     def observe(self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any, saved: bool) -> None:
         """One forward call, seen by the policy after it ran and before torch stores its entry."""
         if self.saved:
-            written = _written_arguments(op)
-            if written:
-                for position, name in written:
+            info = _info(op)
+            if info.written:
+                for position, name in info.written:
                     for sid in _storage_ids(_argument(args, kwargs, position, name)):
                         if sid in self.saved:
-                            self.written.setdefault(sid, f"by {_op_name(op)} in the forward")
-            elif not saved and not _returns_alias(op):
+                            self.written.setdefault(sid, f"by {info.name} in the forward")
+            elif not saved and not info.returns_alias:
                 for leaf in (out,) if type(out) is torch.Tensor else tree_leaves(out):
                     if isinstance(leaf, torch.Tensor):
                         for sid in _storage_ids(leaf):
                             if sid in self.saved:
                                 self.aliases[sid].append((weakref.ref(leaf), leaf._version))
         if saved:
-            name = _op_name(op)
+            name = _info(op).name
             for sid in _storage_ids(out):
                 self.saved.setdefault(sid, name)
 
@@ -720,7 +738,7 @@ def mutation_safe_contexts(
         if isinstance(policy, bool):
             policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
         saved = policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-        if saved and _written_arguments(op):
+        if saved and _info(op).written:
             policy, saved = CheckpointPolicy.PREFER_RECOMPUTE, False
         if replay:
             guard.forward_saved[op].append(saved)

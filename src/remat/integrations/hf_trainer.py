@@ -4,14 +4,17 @@ Called after the Trainer is built and before ``trainer.train()``, it applies a c
 `remat.plan_activation_checkpointing` makes for the Trainer's own step under ``policy="auto"``) to the Trainer's
 model, switches the Trainer's own activation checkpointing off if it was on (never both), optionally trains with
 remat's fused linear cross-entropy, and adds the step's peak memory to the Trainer's logs. Only public extension
-points are used: the Trainer's ``model`` and ``args`` attributes and a ``TrainerCallback``; the fused loss replaces
-the *model's* forward on its instance (remat's own wrapping mechanism, as for checkpointing), so the Trainer's loss
-path, its ``num_items_in_batch`` normalisation over accumulation and ranks included, is the Trainer's.
+points are used: the Trainer's ``model`` and ``args`` attributes, a ``TrainerCallback``, and the two methods the
+Trainer's documentation says to override (``log``, and ``training_step`` under ``auto``), overridden on the instance
+as a subclass would; the fused loss replaces the *model's* forward on its instance (remat's own wrapping mechanism,
+as for checkpointing), so the Trainer's loss path, its ``num_items_in_batch`` normalisation over accumulation and
+ranks included, is the Trainer's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import types
 import warnings
@@ -23,12 +26,22 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, parse_policy
+from remat.checkpointing import (
+    CheckpointPlan,
+    apply_activation_checkpointing,
+    parse_policy,
+    remove_activation_checkpointing,
+)
 from remat.checkpointing.hf_native import disable_hf_checkpointing, is_hf_checkpointing
+from remat.checkpointing.plan import planned_policy
 from remat.errors import ConfigError
 from remat.loss import FusedLinearCrossEntropy, output_head, verify_output_head
 from remat.memory import StepMemoryMeter
-from remat.planner import ActivationPlan, plan_activation_checkpointing
+from remat.planner import ActivationPlan
+from remat.planner.adapt.adapter import PlanAdapter
+from remat.planner.api import planner_for_model
+from remat.recipes.adaptation.retry import OUT_OF_MEMORY, Overshoot
+from remat.training_state.layout import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +50,8 @@ LOSSES: tuple[str, ...] = ("keep", "fused")
 OPTIMIZERS: dict[str, dict[str, Any]] = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
 #: The log key of the step's peak memory (GiB), as the `| mem X GiB |` of remat's own step line.
 MEMORY_LOG_KEY = "peak_mem_gib"
+#: Re-plans after out-of-memory errors in one Trainer run under ``auto`` (the recipe's ``max_replans`` default).
+MAX_REPLANS = 3
 
 
 def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: Any = None, loss: str = "keep",
@@ -52,7 +67,9 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     the CPU). ``loss="fused"`` trains with `remat.loss.FusedLinearCrossEntropy` (the logits are never materialised;
     checked first to reproduce the model's own logits, `remat.loss.verify_output_head`); ``"keep"`` leaves the
     model's loss. ``log_memory`` adds each step's peak (the CUDA allocator's, or the tracker's on the CPU) to the
-    Trainer's logs as ``peak_mem_gib``. A second call on the same Trainer is refused.
+    Trainer's logs as ``peak_mem_gib``. Under ``auto`` an out-of-memory error in a step's first micro-batch is
+    re-planned and the micro-batch retried (docs/trainers.md, "Out of memory in a step"). A second call on the same
+    Trainer is refused.
     """
     model = _trainer_model(trainer)
     if loss not in LOSSES:
@@ -66,9 +83,10 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     base = _base_model(model)
     # Everything that can be refused is refused before the Trainer or its model is changed.
     planned: ActivationPlan | None = None
+    adapter: PlanAdapter | None = None
     if isinstance(policy, str) and policy.strip().lower() == "auto":
-        planned = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss, seq_length=seq_length,
-                            target=target)
+        planned, adapter = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss, seq_length=seq_length,
+                                     target=target)
     elif memory_budget is not None:
         raise ConfigError(f"memory_budget: given with policy {policy!r}; a budget is planned for with policy='auto' "
                           "only")
@@ -85,6 +103,8 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     trainer.add_callback(callback)
     if log_memory:
         _log_with_memory(trainer, callback)
+    if adapter is not None:
+        _replan_out_of_memory(trainer, model, adapter)
     return plan
 
 
@@ -154,6 +174,66 @@ def use_fused_loss(model: nn.Module) -> None:
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
 
 
+def _replan_out_of_memory(trainer: Any, model: nn.Module, adapter: PlanAdapter) -> None:
+    """``trainer.training_step`` (one micro-batch's forward and backward) that, on an out-of-memory error in the
+    first micro-batch of a step, re-plans for the budget and retries it, at most `MAX_REPLANS` times in a run.
+
+    # NOTE [ Which out-of-memory errors the Trainer retries ]
+    # remat's own loop retries a whole step; inside the Trainer's loop only the micro-batch that failed can run
+    # again, and only when nothing of it is left behind. Before the first micro-batch of a step the Trainer has
+    # zeroed the gradients to None, so dropping the gradients a failed forward or backward left puts the model
+    # exactly where it was; the generators are put back, so dropout draws the same masks. A later micro-batch of the
+    # same step (gradient accumulation) has the earlier ones' gradients in ``.grad`` and a partial backward added to
+    # some of them: it is not retried. Nor is an error on one of several processes, whose peers wait in the step's
+    # collectives. Both say so in one line and raise the error as it is; the optimizer update never ran.
+    """
+    original = trainer.training_step
+    params = [p for p in model.parameters() if p.requires_grad]
+    replans = 0
+
+    def training_step(self: Any, model_: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        nonlocal replans
+        while True:
+            fresh = all(p.grad is None for p in params)
+            rng = capture_rng_state()
+            try:
+                return original(model_, inputs, num_items_in_batch)
+            except OUT_OF_MEMORY as err:
+                message = str(err).splitlines()[0] if str(err) else type(err).__name__
+                step = self.state.global_step + 1
+                why = ("a later micro-batch of the step (the earlier ones' gradients are accumulated)" if not fresh
+                       else f"one of {self.args.world_size} processes (its peers wait in the step's collectives)"
+                       if self.args.world_size > 1 else
+                       f"{MAX_REPLANS} re-plans were made already" if replans >= MAX_REPLANS else None)
+                if why is not None:
+                    logger.error("remat: out of memory in step %d under %s: not retried: %s; a smaller "
+                                 "memory_budget, per_device_train_batch_size or loss='fused' would help", step,
+                                 adapter.describe(), why)
+                    raise
+            # Outside the except block: the failed attempt's frames (and the tensors they hold) are released.
+            for p in params:
+                p.grad = None
+            _release_memory()
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps torch's
+            replan = adapter.replan(Overshoot(step=step, budget_bytes=adapter.budget_bytes, error=message,
+                                              first_update=not optimizer.state))
+            remove_activation_checkpointing(model)
+            with planned_policy():
+                apply_activation_checkpointing(model, replan.policy)
+            restore_rng_state(rng)
+            replans += 1
+            logger.warning("remat: out of memory in step %d (%s): re-planned %s -> %s; retrying the micro-batch "
+                           "(re-plan %d/%d)", step, message, replan.old, replan.new, replans, MAX_REPLANS)
+
+    trainer.training_step = types.MethodType(training_step, trainer)
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 class RematCallback(TrainerCallback):
     """Measures each step's peak memory (read by the Trainer's ``log``: `_log_with_memory`) and says the plan once at
     the start."""
@@ -220,8 +300,9 @@ def _hf_checkpointing_off(trainer: Any, model: nn.Module) -> None:
 
 
 def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, seq_length: int | None,
-              target: str | None) -> ActivationPlan:
-    """`plan_activation_checkpointing` for the step the Trainer runs, its arguments read from ``trainer.args``."""
+              target: str | None) -> tuple[ActivationPlan, PlanAdapter]:
+    """The plan for the step the Trainer runs, its arguments read from ``trainer.args``, and the adapter that plans
+    again with the same planner after an out-of-memory error (`_replan_out_of_memory`)."""
     _check_plannable_step(trainer)
     args = trainer.args
     optim = str(getattr(args.optim, "value", args.optim))
@@ -232,12 +313,14 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
     if seq_length is None:
         seq_length = _dataset_length(trainer)
     autocast = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else None
-    return plan_activation_checkpointing(
+    planner, budget = planner_for_model(
         model, memory_budget=memory_budget, target=target, batch_size=args.per_device_train_batch_size,
         seq_length=seq_length, autocast=autocast, grad_accumulation=args.gradient_accumulation_steps,
         loss="fused" if loss == "fused" else "plain", optimizer="torch.optim.AdamW",
         optimizer_kwargs={"lr": args.learning_rate, "weight_decay": args.weight_decay, **optimizer},
         clip_grad_norm=args.max_grad_norm or None)
+    plan = planner.plan(budget)
+    return plan, PlanAdapter(lambda: planner, budget_bytes=budget, policy=plan.policy)
 
 
 def _check_plannable_step(trainer: Any) -> None:

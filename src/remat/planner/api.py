@@ -15,6 +15,7 @@ from torch import nn
 from remat.errors import ConfigError
 from remat.estimate.api import ModelLike, resolve_model, settings_from_recipe
 from remat.estimate.settings import StepSettings
+from remat.models import ModelConfig
 from remat.checkpointing.budget import BudgetLike, MemoryBudget, parse_budget
 from remat.planner.calibration import calibrated_flops_per_second
 from remat.planner.loss_choice import LossChooser, check_loss_choice, recipe_loss_fn
@@ -61,12 +62,7 @@ def plan_activation_checkpointing(
     if isinstance(model_or_recipe, RecipeConfig):
         return plan_recipe(model_or_recipe, budget=memory_budget, target=target, flops_per_second=flops_per_second,
                            all_candidates=all_candidates, loss_choice=loss_choice, **settings)
-    if isinstance(model_or_recipe, nn.Module):
-        settings.setdefault("dtype", _dtype_name(model_or_recipe))
-        model_or_recipe = model_or_recipe.config
-    step = StepSettings(target=target or default_target("auto"), **settings)  # type: ignore[arg-type]
-    budget = parse_budget(memory_budget, device_bytes=device_bytes(step.target), key="memory_budget")
-    model = resolve_model(model_or_recipe)
+    model, step, budget = _model_step(model_or_recipe, memory_budget, target, settings)
     if loss_choice == "choose":
         chooser = LossChooser(lambda loss, kwargs: Planner(model, dataclasses.replace(step, loss=loss,
                                                                                       loss_kwargs=kwargs),
@@ -74,6 +70,25 @@ def plan_activation_checkpointing(
                               step.loss, step.loss_kwargs)
         return chooser.plan(budget, all_candidates=all_candidates)
     return Planner(model, step, flops_per_second).plan(budget, all_candidates=all_candidates)
+
+
+def planner_for_model(model: nn.Module | ModelLike, *, memory_budget: BudgetLike = None, target: str | None = None,
+                      flops_per_second: float | None = None, **settings: Any) -> tuple[Planner, int]:
+    """The `Planner` of a model's step (``settings``: `remat.estimate.StepSettings` fields) and the budget in bytes,
+    as `plan_activation_checkpointing` makes them; for a caller that plans again later with the same planner (its
+    block measurements and simulated traces are kept), e.g. after an out-of-memory error in a Trainer's step."""
+    config, step, budget = _model_step(model, memory_budget, target, settings)
+    return Planner(config, step, flops_per_second), budget
+
+
+def _model_step(model: nn.Module | ModelLike, memory_budget: BudgetLike, target: str | None,
+                settings: dict[str, Any]) -> tuple[ModelConfig, StepSettings, int]:
+    if isinstance(model, nn.Module):
+        settings.setdefault("dtype", _dtype_name(model))
+        model = model.config
+    step = StepSettings(target=target or default_target("auto"), **settings)  # type: ignore[arg-type]
+    budget = parse_budget(memory_budget, device_bytes=device_bytes(step.target), key="memory_budget")
+    return resolve_model(model), step, budget
 
 
 def plan_recipe_auto(cfg: RecipeConfig, *, world_size: int | None = None) -> tuple[RecipeConfig, ActivationPlan]:
