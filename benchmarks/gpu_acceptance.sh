@@ -2,6 +2,7 @@
 # The GPU acceptance runs of remat, one part per command (each well inside a 10-minute limit), from the repository root:
 #
 #   bash benchmarks/gpu_acceptance.sh wheels      # here, with pip and the network: the wheels a bare GPU image lacks
+#   bash benchmarks/gpu_acceptance.sh cuda-tests  # on the GPU machine: the CUDA-path tests (pytest -m gpus), ~1 minute
 #   bash benchmarks/gpu_acceptance.sh suite       # on the GPU machine: the whole test suite (CUDA tests included)
 #   bash benchmarks/gpu_acceptance.sh policies    # every checkpointing policy x loss at the seed shape (bench_gpu.py)
 #   bash benchmarks/gpu_acceptance.sh loss        # the fused loss against plain, cut-cross-entropy, liger
@@ -57,6 +58,9 @@ part() {
   local name=$1 start=$SECONDS rc
   echo "== gpu_acceptance: $name"
   case "$name" in
+    cuda-tests)
+      "$PY" -m pytest -q -p no:cacheprovider -m gpus -n 4 tests 2>&1 | tee "${OUT:-/tmp}/cuda_tests.log"
+      rc=${PIPESTATUS[0]} ;;
     suite)
       "$PY" -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "${OUT:-/tmp}/suite.log"; rc=${PIPESTATUS[0]} ;;
     policies) "$PY" benchmarks/bench_gpu.py; rc=$?
@@ -78,7 +82,7 @@ part() {
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/bench_context_parallel.py; rc=$?
         keep_results benchmarks/results/context_parallel_*.md benchmarks/results/context_parallel_*.json
       fi ;;
-    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels suite policies loss estimate profile long context" >&2
+    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels cuda-tests suite policies loss estimate profile long context" >&2
        return 2 ;;
   esac
   echo "== gpu_acceptance: $name ended with status $rc after $((SECONDS - start)) s"
@@ -86,7 +90,7 @@ part() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 if [ "$1" = wheels ]; then
