@@ -37,6 +37,18 @@ def tiny_causal_lm(arch: str = "llama", *, seed: int = 0, **config: Any) -> nn.M
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **settings))
 
 
+def tiny_word_tokenizer() -> Any:
+    """A word-level tokenizer of 250 words ``w0`` ... ``w249`` plus unknown, padding and end tokens (ids 250-252),
+    for the trainers that take a tokenizer (TRL's), without the Hub."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{f"w{i}": i for i in range(250)}, "[UNK]": 250, "[PAD]": 251, "[EOS]": 252}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
 def tiny_recipe(**sections: Any) -> dict[str, Any]:
     """A recipe of a few CPU steps of the tiny Llama (`TINY_LLAMA_PRESET`) on the builtin dataset, 32-token rows,
     global batch 4 in micro-batches of 2; each keyword replaces a top-level key, and a mapping given for a mapping

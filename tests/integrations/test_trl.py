@@ -12,9 +12,7 @@ import copy
 
 import pytest
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from tiny import tiny_causal_lm
-from transformers import PreTrainedTokenizerFast
+from tiny import tiny_causal_lm, tiny_word_tokenizer
 
 import remat
 from remat.checkpointing import remove_activation_checkpointing
@@ -24,11 +22,7 @@ trl = pytest.importorskip("trl", reason="TRL is remat's optional extra (remat[tr
 
 
 def _sft_trainer(tmp_path: Path) -> Any:
-    vocab = {**{f"w{i}": i for i in range(250)}, "[UNK]": 250, "[PAD]": 251, "[EOS]": 252}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
-                                        eos_token="[EOS]")
+    tokenizer = tiny_word_tokenizer()
     texts = [" ".join(f"w{(i * 7 + j) % 250}" for j in range(30)) for i in range(16)]
     model = tiny_causal_lm(vocab_size=256)
     args = trl.SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
