@@ -220,3 +220,28 @@ def test_an_out_of_memory_error_in_a_later_micro_batch_is_raised_with_why(
             trainer.train()
     assert any("out of memory in step 2 under" in r.getMessage() and "not retried: a later micro-batch of the step"
                in r.getMessage() for r in caplog.records)
+
+
+def test_a_budget_nothing_fits_is_refused_in_the_trainers_words_before_anything_changes(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, gradient_checkpointing=True)
+    with pytest.raises(ConfigError, match=(
+            r"^memory_budget: nothing fits 1.00 MiB; the smallest plan \(full\) needs [\d.]+ MiB predicted\. What "
+            r"would help: a smaller micro-batch \(TrainingArguments.per_device_train_batch_size, now 2, with more "
+            r"gradient_accumulation_steps for the same global batch\); FSDP2 .*; the fused loss "
+            r"\(prepare_trainer\(\.\.\., loss='fused'\) never holds the logits\); shorter rows \(seq_length= or the "
+            r"trainer's max_length, now 32\)$")):
+        remat.prepare_trainer(trainer, "auto", memory_budget="1MiB", target="cpu")
+    assert trainer.args.gradient_checkpointing is True and not is_checkpointed(trainer.model)
+
+
+def test_auto_plans_ddp_for_several_processes_and_refuses_the_trainers_fsdp() -> None:
+    from types import SimpleNamespace
+
+    from remat.integrations.hf_trainer import _parallel_step
+
+    assert _parallel_step(SimpleNamespace(args=SimpleNamespace(world_size=1))) == {}
+    assert _parallel_step(SimpleNamespace(args=SimpleNamespace(world_size=4))) == {"strategy": "ddp",
+                                                                                    "world_size": 4}
+    with pytest.raises(ConfigError, match=r"policy='auto' does not plan the Trainer's FSDP yet .* allowed with FSDP: "
+                                          r"a fixed policy"):
+        _parallel_step(SimpleNamespace(is_fsdp_enabled=True, args=SimpleNamespace(world_size=2)))

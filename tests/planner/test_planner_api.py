@@ -123,10 +123,13 @@ def test_a_plan_for_a_model_is_applied_by_apply_activation_checkpointing() -> No
 
 
 def test_nothing_fits_names_the_smallest_plan_and_what_would_help() -> None:
-    # Sizes people can read: the 1 MiB budget and the need in MiB, the policy named once.
-    with pytest.raises(ConfigError, match=r"distributed.activation_checkpointing.memory_budget: nothing fits 1.00 MiB; the smallest plan "
-                                          r"\(full\) needs \d\d\d MiB predicted\. What would help: a smaller "
-                                          r"micro-batch .*FSDP.*the fused loss"):
+    # Sizes people can read: the 1 MiB budget and the need in MiB, the policy named once; and the words of the caller:
+    # the Python arguments it passed (a recipe's user reads recipe keys: test_profile.py, test_replan.py).
+    with pytest.raises(ConfigError, match=r"^memory_budget: nothing fits 1.00 MiB; the smallest plan \(full\) needs "
+                                          r"\d\d\d MiB predicted\. What would help: a smaller micro-batch \(batch_size=, "
+                                          r"now 4\); FSDP \(strategy='fsdp2' with world_size= ranks .*; the fused loss "
+                                          r"\(loss='fused' never holds the logits\); shorter sequences \(seq_length=, "
+                                          r"now 512\)$"):
         plan_activation_checkpointing("tiny-llama", memory_budget=2**20, batch_size=4, seq_length=512, target="cpu")
 
 

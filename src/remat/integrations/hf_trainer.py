@@ -40,6 +40,7 @@ from remat.memory import StepMemoryMeter
 from remat.planner import ActivationPlan
 from remat.planner.adapt.adapter import PlanAdapter
 from remat.planner.api import planner_for_model
+from remat.planner.spelling import TRAINER
 from remat.recipes.adaptation.retry import OUT_OF_MEMORY, Overshoot
 from remat.training_state.layout import capture_rng_state, restore_rng_state
 
@@ -292,6 +293,11 @@ def _hf_checkpointing_off(trainer: Any, model: nn.Module) -> None:
         if on:
             logger.info("prepare_trainer: TrainingArguments.%s switched off: remat checkpoints the blocks instead "
                         "(never both)", name)
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+    if plugin is not None and getattr(plugin, "activation_checkpointing", False):
+        plugin.activation_checkpointing = False
+        logger.info("prepare_trainer: FSDP's activation_checkpointing (fsdp_config) switched off: remat checkpoints "
+                    "the blocks instead (never both)")
     base = _base_model(model)
     if is_hf_checkpointing(base):
         disable_hf_checkpointing(base)
@@ -314,13 +320,26 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
         seq_length = _dataset_length(trainer)
     autocast = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else None
     planner, budget = planner_for_model(
-        model, memory_budget=memory_budget, target=target, batch_size=args.per_device_train_batch_size,
-        seq_length=seq_length, autocast=autocast, grad_accumulation=args.gradient_accumulation_steps,
+        model, memory_budget=memory_budget, target=target, spelling=TRAINER,
+        batch_size=args.per_device_train_batch_size, seq_length=seq_length, autocast=autocast,
+        grad_accumulation=args.gradient_accumulation_steps, **_parallel_step(trainer),
         loss="fused" if loss == "fused" else "plain", optimizer="torch.optim.AdamW",
         optimizer_kwargs={"lr": args.learning_rate, "weight_decay": args.weight_decay, **optimizer},
         clip_grad_norm=args.max_grad_norm or None)
     plan = planner.plan(budget)
     return plan, PlanAdapter(lambda: planner, budget_bytes=budget, policy=plan.policy)
+
+
+def _parallel_step(trainer: Any) -> dict[str, Any]:
+    """The strategy and world size of the Trainer's step, for the planner: DDP over ``args.world_size`` processes
+    when there are several; the Trainer's FSDP is refused under ``auto`` in one line (the estimate simulates FSDP2 in
+    a fake process group of its own, which a process that joined the Trainer's cannot open)."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise ConfigError("prepare_trainer: policy='auto' does not plan the Trainer's FSDP yet (its estimate runs in "
+                          "a process group of its own, and this process joined the Trainer's); allowed with FSDP: a "
+                          "fixed policy such as 'selective' or 'full'; 'auto' plans one process or DDP")
+    world_size = int(getattr(trainer.args, "world_size", 1) or 1)
+    return {"strategy": "ddp", "world_size": world_size} if world_size > 1 else {}
 
 
 def _check_plannable_step(trainer: Any) -> None:

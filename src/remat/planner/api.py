@@ -21,6 +21,7 @@ from remat.planner.calibration import calibrated_flops_per_second
 from remat.planner.loss_choice import LossChooser, check_loss_choice, recipe_loss_fn
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
+from remat.planner.spelling import PYTHON, Spelling
 from remat.recipes.config import RecipeConfig
 from remat.recipes.loader import load_recipe, with_loss
 
@@ -66,19 +67,21 @@ def plan_activation_checkpointing(
     if loss_choice == "choose":
         chooser = LossChooser(lambda loss, kwargs: Planner(model, dataclasses.replace(step, loss=loss,
                                                                                       loss_kwargs=kwargs),
-                                                           flops_per_second),
+                                                           flops_per_second, spelling=PYTHON),
                               step.loss, step.loss_kwargs)
         return chooser.plan(budget, all_candidates=all_candidates)
-    return Planner(model, step, flops_per_second).plan(budget, all_candidates=all_candidates)
+    return Planner(model, step, flops_per_second, spelling=PYTHON).plan(budget, all_candidates=all_candidates)
 
 
 def planner_for_model(model: nn.Module | ModelLike, *, memory_budget: BudgetLike = None, target: str | None = None,
-                      flops_per_second: float | None = None, **settings: Any) -> tuple[Planner, int]:
+                      flops_per_second: float | None = None, spelling: Spelling = PYTHON,
+                      **settings: Any) -> tuple[Planner, int]:
     """The `Planner` of a model's step (``settings``: `remat.estimate.StepSettings` fields) and the budget in bytes,
     as `plan_activation_checkpointing` makes them; for a caller that plans again later with the same planner (its
-    block measurements and simulated traces are kept), e.g. after an out-of-memory error in a Trainer's step."""
+    block measurements and simulated traces are kept), e.g. after an out-of-memory error in a Trainer's step.
+    ``spelling``: how its errors name what would help (`remat.planner.spelling`)."""
     config, step, budget = _model_step(model, memory_budget, target, settings)
-    return Planner(config, step, flops_per_second), budget
+    return Planner(config, step, flops_per_second, spelling=spelling), budget
 
 
 def _model_step(model: nn.Module | ModelLike, memory_budget: BudgetLike, target: str | None,

@@ -44,6 +44,7 @@ from remat.planner.advice import moe_selective_note
 from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
 from remat.planner.result import ActivationPlan, BlockChoice, Candidate
+from remat.planner.spelling import RECIPE, Spelling
 from remat.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class Planner:
     settings: StepSettings
     flops_per_second: float | None = None
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
+    spelling: Spelling = RECIPE
+    """How errors name the settings that would help (`remat.planner.spelling`): recipe keys by default."""
     recipe: RecipeConfig = field(init=False)
     """The step as a validated recipe (policy none): every candidate priced is a copy with another policy."""
     measurements: BlockMeasurements = field(init=False)
@@ -335,26 +338,23 @@ class Planner:
         ``uniforms`` is False: below the floor, full is the smallest) and what would help."""
         priced = self.uniform_candidates(budget_bytes) if uniforms else []
         smallest = min([*candidates, *priced], key=lambda c: (c.peak_bytes, c.recompute_flops))
-        s = self.settings
+        s, words = self.settings, self.spelling
         helps = []
         if s.batch_size > 1:
-            helps.append(f"a smaller micro-batch (step_scheduler.local_batch_size, now {s.batch_size})")
+            helps.append(words.batch.format(now=s.batch_size))
         if s.strategy != "fsdp2":
-            helps.append("FSDP (distributed.strategy: fsdp2 shards parameters, gradients and optimizer state "
-                         "over the ranks)")
+            helps.append(words.fsdp)
         elif s.world_size > 1:
-            helps.append(f"more FSDP ranks (now {s.world_size})")
+            helps.append(words.more_ranks.format(ranks=s.world_size))
         if LOSS_TARGETS.get(s.loss, s.loss) != LOSS_TARGETS["fused"]:
-            helps.append("the fused loss (loss_fn._target_: remat.loss.FusedLinearCrossEntropy never holds the "
-                         "logits)")
+            helps.append(words.fused_loss)
         if s.seq_length > 2:
-            helps.append(f"shorter sequences (dataset.seq_length, now {s.seq_length})")
+            helps.append(words.seq_length.format(now=s.seq_length))
         described = smallest.policy.describe()
         name = smallest.label if smallest.label == described else f"{smallest.label}: {described}"
         return ConfigError(
-            f"distributed.activation_checkpointing.memory_budget: nothing fits {format_bytes(budget_bytes)}; the "
-            f"smallest plan ({name}) needs {format_bytes(smallest.peak_bytes)} predicted. What would help: "
-            f"{'; '.join(helps)}")
+            f"{words.budget}: nothing fits {format_bytes(budget_bytes)}; the smallest plan ({name}) needs "
+            f"{format_bytes(smallest.peak_bytes)} predicted. What would help: {'; '.join(helps)}")
 
 
 def _composable(policy: CheckpointPolicy) -> bool:
