@@ -564,9 +564,12 @@ class _MutationGuard:
         returns the storage ids of the entries still cached."""
         kept: set[int] = set()
         dropped: list[tuple[CachedEntry, str]] = []
+        follow = bool(dirty) or bool(self.aliases)  # storage ids are needed only to match writes or aliases
         for entry in self.layout.cached(storage, self.forward_saved):
-            vals = [w.val for w in entry.wrappers]
-            ids = _storage_ids(vals[0] if len(vals) == 1 else vals)
+            ids: set[int] = set()
+            if follow:
+                vals = [w.val for w in entry.wrappers]
+                ids = _storage_ids(vals[0] if len(vals) == 1 else vals)
             cause = next((dirty[sid] for sid in ids if sid in dirty), None)
             if cause is None and any(w.val._version != w.version for w in entry.wrappers):
                 cause = moved
@@ -574,7 +577,8 @@ class _MutationGuard:
                 kept |= ids
             else:
                 dropped.append((entry, cause))
-        self.layout.drop(storage, self.forward_saved, [entry for entry, _ in dropped])
+        if dropped:
+            self.layout.drop(storage, self.forward_saved, [entry for entry, _ in dropped])
         for entry, cause in dropped:
             self._report(entry.key, cause)
         return kept
