@@ -40,6 +40,10 @@ def _tiny_model(model_type: str) -> nn.Module | None:
                     setattr(part, key, value)
             if hasattr(part, "is_decoder"):
                 part.is_decoder = True  # BERT-style models are causal LMs only as decoders
+            vocab = getattr(part, "vocab_size", None)
+            for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # special ids of the full vocabulary
+                if isinstance(vocab, int) and isinstance(getattr(part, key, None), int) and getattr(part, key) >= vocab:
+                    setattr(part, key, vocab - 1)
         with torch.device("meta"):
             size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if size > MAX_PARAMETERS:
