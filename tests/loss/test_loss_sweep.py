@@ -8,6 +8,7 @@ is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -28,6 +29,9 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
         "rotary_dim": 16, "n_group": 1, "topk_group": 1}
 MAX_PARAMETERS = 20_000_000
+#: Sizes some configs leave None to derive them from others in code that then divides by or raises them (hunyuan's and
+#: ministral's ``head_dim``, nemotron's ``num_key_value_heads``): set to the tiny value like the integers.
+_DERIVED = ("head_dim", "num_key_value_heads", "moe_intermediate_size")
 
 
 def _tiny_model(model_type: str) -> nn.Module | None:
@@ -36,8 +40,11 @@ def _tiny_model(model_type: str) -> nn.Module | None:
         config = AutoConfig.for_model(model_type)
         for part in {id(c): c for c in (config, config.get_text_config())}.values():
             for key, value in TINY.items():
-                if isinstance(getattr(part, key, None), int) and not isinstance(getattr(part, key), bool):
-                    setattr(part, key, value)
+                current = getattr(part, key, None)
+                derived = current is None and key in _DERIVED and hasattr(part, key)  # None: "from other sizes"
+                if (isinstance(current, int) and not isinstance(current, bool)) or derived:
+                    with contextlib.suppress(AttributeError):  # a read-only property (falcon's head_dim)
+                        setattr(part, key, value)
             if hasattr(part, "is_decoder"):
                 part.is_decoder = True  # BERT-style models are causal LMs only as decoders
             vocab = getattr(part, "vocab_size", None)
