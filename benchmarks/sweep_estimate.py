@@ -7,7 +7,10 @@ and the step are the recipe's own, as in tests/estimate/test_estimate_vs_real.py
 the error), refused in one line (remat's own error), or crashed (any other exception or a longer message). Writes
 benchmarks/results/sweep_estimate.{json,md}.
 
-    .venv/bin/python benchmarks/sweep_estimate.py [--only llama,mistral] [--out benchmarks/results]
+    .venv/bin/python benchmarks/sweep_estimate.py [--only llama,mistral] [--plan] [--out benchmarks/results]
+
+``--plan`` also plans ``auto`` (``plan_activation_checkpointing``) for the budget midway between each type's
+estimated none and full peaks: planned within the budget, refused in one line, or crashed.
 """
 
 from __future__ import annotations
@@ -83,6 +86,30 @@ def sweep_one(model_type: str, policy: str) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def plan_one(model_type: str, none_bytes: int, full_bytes: int) -> dict[str, Any]:
+    """``plan_activation_checkpointing`` for the budget midway between the estimated none and full peaks: planned
+    (within the budget), refused in one line, or crashed."""
+    from remat.errors import RematError
+    from remat.models import ModelConfig
+    from remat.planner import plan_activation_checkpointing
+
+    budget = (none_bytes + full_bytes) // 2
+    start = time.perf_counter()
+    try:
+        plan = plan_activation_checkpointing(ModelConfig(config=_tiny_config(model_type)), memory_budget=budget,
+                                             target="cpu", batch_size=2, seq_length=64, loss="plain")
+    except RematError as err:
+        return {"model_type": model_type, "policy": "auto", "outcome": "refused" if "\n" not in str(err) else
+                "crashed", "message": str(err)[:300]}
+    except Exception as err:  # noqa: BLE001 (what the sweep is for)
+        return {"model_type": model_type, "policy": "auto", "outcome": "crashed",
+                "message": f"{type(err).__name__}: {str(err)[:300]}"}
+    fits = plan.peak_bytes <= budget
+    return {"model_type": model_type, "policy": "auto", "outcome": "planned" if fits else "over budget",
+            "estimate": plan.peak_bytes, "budget": budget, "message": plan.policy.describe()[:160],
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as hf_logging
@@ -91,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated model types (default: every causal LM)")
     parser.add_argument("--policies", default="none,full")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--plan", action="store_true",
+                        help="also plan auto midway between the none and full estimates of each type (both needed)")
     args = parser.parse_args(argv)
     from remat.checkpointing import parse_policy
     from remat.errors import RematError
@@ -117,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model_type} {policy}: {row['outcome']}{extra}", flush=True)
             if row["outcome"] == "not built":
                 break
+        peaks = {row["policy"]: row["estimate"] for row in rows if row["model_type"] == model_type and "estimate" in row}
+        if args.plan and {"none", "full"} <= set(peaks):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                row = plan_one(model_type, peaks["none"], peaks["full"])
+            rows.append(row)
+            print(f"{model_type} auto: {row['outcome']} {row.get('message', '')[:100]}", flush=True)
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
@@ -137,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         if row["outcome"] == "not built":
             continue
         detail = f"{row['error']:+.3%}" if "error" in row else row.get("message", "").replace("|", "/")[:160]
+        if row["outcome"] in ("planned", "over budget"):
+            detail = f"{row['estimate']:,} of {row['budget']:,} bytes: {detail}"
         lines.append(f"| {row['model_type']} | {row['policy']} | {row['outcome']} | {detail} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
