@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -242,8 +243,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--note", default="")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "loss_cuda",
-                        help="writes OUT.md and OUT.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="writes OUT.md and OUT.json (default: benchmarks/results/loss_cuda; with --check-on-cpu a "
+                             "temporary folder, so a check never replaces the GPU's results)")
     parser.add_argument("--check-on-cpu", action="store_true",
                         help="run the same code on the CPU at a tiny size (tokens 256/512, hidden 32, vocab 1000, "
                              "float32, 2 repeats) to check the script, not to measure anything")
@@ -251,6 +253,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.check_on_cpu:
         args.tokens, args.seq, args.hidden, args.vocab = [256, 512], 128, 32, 1000
         args.dtype, args.repeats, args.warmup = "float32", 2, 1
+    if args.out is None:
+        args.out = (Path(tempfile.mkdtemp(prefix="remat-loss-check-")) if args.check_on_cpu
+                    else Path(__file__).parent / "results") / "loss_cuda"
     return args
 
 
@@ -286,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     payload = {"config": config, "environment": env, "targets": TARGETS, "rows": [asdict(row) for row in rows]}
     args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     print(markdown)
+    print(f"wrote {args.out.with_suffix('.md')} and .json")
     return rows
 
 

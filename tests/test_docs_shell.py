@@ -21,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,7 @@ def test_every_shell_command_of_the_docs_is_run_checked_or_says_why_not() -> Non
 
 
 @pytest.fixture
-def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A working directory where ``examples/`` and ``benchmarks/`` resolve as in the repository, and the reader's
     files exist: ``recipe.yaml`` (the FSDP2 quick start), ``my.yaml``, ``calibration.json``, a long-document file."""
     for name in ("examples", "benchmarks"):
@@ -142,7 +143,16 @@ def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shutil.copy(ROOT / "benchmarks" / "results" / "calibration_quickstart_cpu.json", tmp_path / "calibration.json")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path
+    before = _tree_state()
+    yield tmp_path
+    assert _tree_state() == before, "a docs command wrote into the repository's examples/ or benchmarks/"
+
+
+def _tree_state() -> dict[str, int]:
+    """Each file under the linked folders, with its modification time: a command run here must not change them (the
+    loss bench's CPU check once replaced the GPU's committed results)."""
+    return {str(path): path.stat().st_mtime_ns for name in ("examples", "benchmarks") for path in (ROOT / name).rglob("*")
+            if path.is_file() and "__pycache__" not in path.parts}
 
 
 def _check(argv: list[str]) -> None:
