@@ -19,6 +19,7 @@ from the exact live-tensor tracker) so the test suite can keep it working.
 
     python benchmarks/bench_gpu.py                                        # llama-3.2-1b, 8 x 2048, bf16, AdamW
     python benchmarks/bench_gpu.py --batch 2 --seq 1024 --preset qwen3-0.6b
+    python benchmarks/bench_gpu.py --profile selective,torch-sac       # + where one step of each spends its time
 
 ``--long-context`` measures instead the long-context settings (`LONG_ROWS`: full + tiled + offloaded inputs, and
 full + tiled, both with the fused loss) at batch 1 and growing lengths (``--lengths``, default 512k, 768k, 1M
@@ -82,6 +83,8 @@ class Result:
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     tokens_per_step: int = 0
     error: str | None = None
+    profile: str | None = None
+    """With ``--profile``: torch.profiler's table of one more step (self CPU time first), for the rows named."""
 
     @property
     def median_seconds(self) -> float | None:
@@ -174,6 +177,8 @@ def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: 
             step.run()
             _synchronize(device)
             result.step_seconds.append(time.perf_counter() - start)
+        if loss == LOSSES[0] and _profiled(label, args.profile):
+            result.profile = _profile_step(step, device)
     except (torch.cuda.OutOfMemoryError, CheckpointingError, ConfigError) as err:
         result.error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         result.step_seconds.clear()
@@ -183,6 +188,23 @@ def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
+
+
+def _profiled(label: str, wanted: Sequence[str]) -> bool:
+    return label in wanted or (label == TORCH_SAC_ROW and TORCH_SAC in wanted)
+
+
+def _profile_step(step: RealStep, device: torch.device) -> str:
+    """One more step under torch.profiler: where its time goes, by op, self CPU time first (the host-side cost of a
+    policy shows there; the CUDA columns say what the GPU did meanwhile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _synchronize(device)
+    with profile(activities=activities) as profiler:
+        step.run()
+        _synchronize(device)
+    return str(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def run(args: argparse.Namespace, device: torch.device,
@@ -283,11 +305,18 @@ def write(results: Sequence[Result], meta: dict[str, Any], out: Path, *, long_co
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"].lower()).strip("_")
     stem = out / f"gpu_{'long_context' if long_context else 'policies'}_{slug}"
-    rows = [dataclasses.asdict(r) | {"median_seconds": r.median_seconds, "tokens_per_second": r.tokens_per_second}
-            for r in results]
+    rows = [{k: v for k, v in dataclasses.asdict(r).items() if k != "profile"}
+            | {"median_seconds": r.median_seconds, "tokens_per_second": r.tokens_per_second} for r in results]
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     render = render_long_context if long_context else render_markdown
     stem.with_suffix(".md").write_text(render(results, meta))
+    profiled = [r for r in results if r.profile]
+    if profiled:
+        lines = [f"# One step under torch.profiler on {meta['device']}", "", f"torch {meta['torch']}; "
+                 f"{meta['preset']}, batch {meta['batch']} x {meta['seq']}, {meta['dtype']}; the plain loss.", ""]
+        for r in profiled:
+            lines += [f"## {r.label}", "", "```", r.profile or "", "```", ""]
+        (out / f"gpu_profile_{slug}.md").write_text("\n".join(lines))
     return stem.with_suffix(".md")
 
 
@@ -311,7 +340,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "256,512 with --check-on-cpu)")
     parser.add_argument("--budget-seconds", type=float, default=540.0,
                         help="with --long-context: stop starting steps that would end after this (default 540)")
+    parser.add_argument("--profile", type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+                        default=[], metavar="ROWS",
+                        help="after a row's timed steps, run one more under torch.profiler and write its table to "
+                             "gpu_profile_<device>.md: row labels, comma-separated (torch-sac for torch's own "
+                             "selective row), e.g. selective,torch-sac; the plain loss's rows")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.profile) - {label for label, _ in ROWS} - {TORCH_SAC})
+    if unknown:
+        parser.error(f"--profile: {', '.join(unknown)} is not a row; allowed: "
+                     f"{', '.join(label for label, _ in POLICIES)}, {TORCH_SAC}")
     if args.lengths is None:
         args.lengths = [256, 512] if args.check_on_cpu else list(LONG_LENGTHS)
     cpu = args.check_on_cpu

@@ -45,6 +45,7 @@ COMMANDS: dict[str, str] = {
         CHECK,
     # docs/checkpointing.md
     "python benchmarks/bench_gpu.py": _GPU,
+    "python benchmarks/bench_gpu.py --profile selective,torch-sac": _GPU,
     # docs/distributed.md
     "remat finetune examples/fsdp2_quickstart.yaml --nproc-per-node gpu": CHECK,
     "torchrun --standalone --nproc-per-node 8 -m remat.cli finetune recipe.yaml --step_scheduler.max_steps 1000":

@@ -30,8 +30,12 @@ def _bench(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_check_on_cpu_runs_every_row_with_both_losses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bench = _bench(monkeypatch)
     assert bench.main(["--check-on-cpu", "--batch", "4", "--seq", "256", "--warmup", "0", "--steps", "1",
-                       "--out", str(tmp_path)]) == 0
+                       "--profile", "selective,torch-sac", "--out", str(tmp_path)]) == 0
     (json_path,) = tmp_path.glob("gpu_policies_*.json")
+    (profile,) = tmp_path.glob("gpu_profile_*.md")  # one more step of the two rows named, under torch.profiler
+    sections = profile.read_text().split("\n## ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["selective", bench.TORCH_SAC_ROW]
+    assert all("Self CPU" in s for s in sections)
     data = json.loads(json_path.read_text())
     assert data["meta"]["torch"] == torch.__version__ and data["meta"]["device"].startswith("CPU")
     rows = {(row["label"], row["loss"]): row for row in data["rows"]}
@@ -45,6 +49,13 @@ def test_check_on_cpu_runs_every_row_with_both_losses(tmp_path: Path, monkeypatc
     assert peak[("none", "plain")] > peak[("none", "fused")]
     markdown = json_path.with_suffix(".md").read_text()
     assert data["meta"]["device"] in markdown and torch.__version__ in markdown and "| none | fused |" in markdown
+
+
+def test_a_row_to_profile_that_does_not_exist_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _bench(monkeypatch).main(["--check-on-cpu", "--profile", "selectiv"])
+    assert "--profile: selectiv is not a row; allowed: none, full, selective" in capsys.readouterr().err
 
 
 def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
