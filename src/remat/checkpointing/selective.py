@@ -310,10 +310,6 @@ def _static_rule(op: Any) -> tuple[Decision | None, str]:
     return decision, reason
 
 
-def _rule_for(op: Any) -> tuple[Decision | None, str]:
-    return _info(op).rule
-
-
 class SelectivePolicy:
     """The policy function of one checkpointed region (one ``checkpoint`` call): decides SAVE or RECOMPUTE per op.
 
@@ -429,20 +425,10 @@ PolicyFn = Callable[..., "CheckpointPolicy | bool"]
 # launched outside torch's dispatcher) cannot be followed; torch's own version check still raises on the rest.
 
 
-def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of each argument the op writes into (``Tensor(a!)`` in its schema); () without a schema."""
-    return _info(op).written
-
-
 def _schema_written(schema: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument an op's schema writes into (``Tensor(a!)``); () without a schema."""
     return () if schema is None else tuple(
         (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
-
-
-def _returns_alias(op: Any) -> bool:
-    """Whether the schema declares an output as an alias of an input (views, in-place ops). Such an output shares
-    its input's version counter; an output that shares storage without the annotation (``_unsafe_view``) does not."""
-    return _info(op).returns_alias
 
 
 def _storage_ids(value: Any) -> set[int]:
