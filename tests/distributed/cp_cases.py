@@ -31,6 +31,8 @@ CASES_4: dict[str, tuple[str, Any, bool, str, int]] = {
     "qwen3-none-plain-fsdp2-dp2xcp2": ("qwen3", False, False, "fsdp2", 2),
     # 4 heads over tp 2, each rank's 2 over cp 2; its one key/value head repeated for the 2 context ranks
     "llama-full-fused-fsdp2-cp2xtp2": ("llama", "full", True, "fsdp2", 2, 2),
+    # planned on each rank for a budget midway between its none and full estimates (one shard of 8 tokens per row)
+    "qwen3-auto-fused-ddp-cp4": ("qwen3", "auto", True, "ddp", 4),
 }
 ROWS = 2
 
@@ -92,6 +94,24 @@ def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: 
     report = {"loss": setup.sum_over_shards([float(loss.detach())])[0], "grads": grads,
               "describe": setup.describe()}
     return report  # the worker's process group stays up for the next case, which enables its own context group
+
+
+def planned(kind: str, fused: bool, strategy: str, cp_size: int, world: int) -> Any:
+    """`remat.plan_activation_checkpointing` for a rank's step (its row shards, ``world`` ranks), with a budget
+    midway between the estimated none and full peaks; checks that the plan fits and is neither none nor full. Run
+    before the worker joins its process group (the estimate simulates one of its own)."""
+    from remat import estimate_memory, plan_activation_checkpointing
+
+    model = tiny_model(kind)
+    step = {"batch_size": ROWS // (world // cp_size), "seq_length": 32, "strategy": strategy, "world_size": world,
+            "cp_size": cp_size, "loss": "fused" if fused else "plain", "target": "cpu", "documents_per_row": 3}
+    none, full = (estimate_memory(model.config, policy=p, dtype="float32", **step).peak_bytes
+                  for p in ("none", "full"))
+    plan = plan_activation_checkpointing(model, memory_budget=f"{(none + full) // 2}B", **step)  # a tiny budget
+    assert plan.peak_bytes <= (none + full) // 2, plan.summary()
+    described = plan.policy.describe()
+    assert described not in ("none", "full"), described
+    return plan
 
 
 #: name -> (checkpointing, loss class): DDP recipes with cp_size 2 whose tracked step peak the estimate must equal.

@@ -2,10 +2,10 @@
 
 Tiny Llama (4 heads, 2 key/value heads) and Qwen3 (8 heads, 2 key/value heads: repeated under ``cp_size`` 4) models,
 packed rows whose documents cross every shard boundary (document-wise attention), rows that must be padded to a
-multiple of 4, no / full / selective / attention-only checkpointing, the plain and the fused loss, DDP and FSDP2,
-``dp 2 x cp 2`` and ``cp 2 x tp 2``; recipes trained, resumed and estimated with ``cp_size`` 2. Stated tolerance:
-loss and every gradient within 1e-6 relative (to the gradient's largest element) in float32; what is left is the
-order of floating-point sums across ranks (measured: about 4e-7).
+multiple of 4, no / full / selective / attention-only checkpointing and ``auto`` (planned per rank), the plain and
+the fused loss, DDP and FSDP2, ``dp 2 x cp 2`` and ``cp 2 x tp 2``; recipes trained, resumed and estimated with
+``cp_size`` 2. Stated tolerance: loss and every gradient within 1e-6 relative (to the gradient's largest element) in
+float32; what is left is the order of floating-point sums across ranks (measured: about 4e-7).
 """
 
 from __future__ import annotations
