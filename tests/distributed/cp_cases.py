@@ -77,6 +77,8 @@ def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: 
     model = tiny_model(kind)
     batch = packed_batch()
     label_tokens = int((batch["labels"][:, 1:] != -100).sum())
+    if policy == "auto":
+        policy = planned(model, fused, strategy, cp_size)
     setup = DistributedSetup.build(strategy=strategy, activation_checkpointing=policy, cp_size=cp_size,  # type: ignore[arg-type]
                                    tp_size=tp_size, device="cpu")
     if setup.dp_size > 1:
@@ -96,22 +98,31 @@ def loss_and_grads(kind: str, policy: Any, fused: bool, strategy: str, cp_size: 
     return report  # the worker's process group stays up for the next case, which enables its own context group
 
 
-def planned(kind: str, fused: bool, strategy: str, cp_size: int, world: int) -> Any:
-    """`remat.plan_activation_checkpointing` for a rank's step (its row shards, ``world`` ranks), with a budget
-    midway between the estimated none and full peaks; checks that the plan fits and is neither none nor full. Run
-    before the worker joins its process group (the estimate simulates one of its own)."""
+def planned(model: torch.nn.Module, fused: bool, strategy: str, cp_size: int) -> Any:
+    """`remat.plan_activation_checkpointing` for a rank's step (its row shards, the job's ranks), with a budget
+    midway between the estimated none and full peaks, made on rank 0 and sent to the others (each rank could plan
+    alike; one child's imports on 2 cores is what this saves). The worker has joined its process group, so the
+    estimates and the plan run in child processes (`remat.estimate.isolation`). Checks that the plan fits and is
+    neither none nor full."""
+    import torch.distributed as dist
+
     from remat import estimate_memory, plan_activation_checkpointing
 
-    model = tiny_model(kind)
+    assert dist.is_initialized()  # the case under test: planning from inside the job
+    world = dist.get_world_size()
     step = {"batch_size": ROWS // (world // cp_size), "seq_length": 32, "strategy": strategy, "world_size": world,
             "cp_size": cp_size, "loss": "fused" if fused else "plain", "target": "cpu", "documents_per_row": 3}
-    none, full = (estimate_memory(model.config, policy=p, dtype="float32", **step).peak_bytes
-                  for p in ("none", "full"))
-    plan = plan_activation_checkpointing(model, memory_budget=f"{(none + full) // 2}B", **step)  # a tiny budget
-    assert plan.peak_bytes <= (none + full) // 2, plan.summary()
-    described = plan.policy.describe()
-    assert described not in ("none", "full"), described
-    return plan
+    sent: list[Any] = [None]
+    if dist.get_rank() == 0:
+        none, full = (estimate_memory(model.config, policy=p, dtype="float32", **step).peak_bytes
+                      for p in ("none", "full"))
+        budget = (none + full) // 2
+        plan = plan_activation_checkpointing(model, memory_budget=f"{budget}B", **step)  # a tiny budget
+        assert plan.peak_bytes <= budget, plan.summary()
+        sent = [plan.policy.to_dict()]
+    dist.broadcast_object_list(sent, src=0)
+    assert sent[0] not in ("none", "full", {"mode": "none"}, {"mode": "full"}), sent[0]
+    return sent[0]
 
 
 #: name -> (checkpointing, loss class): DDP recipes with cp_size 2 whose tracked step peak the estimate must equal.

@@ -30,6 +30,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from remat.errors import ConfigError
+from remat.estimate.isolation import call_in_child, needs_fresh_process
 from remat.estimate.replay import replay
 from remat.estimate.settings import StepSettings
 from remat.estimate.simulate import StepTrace, check_simulable, simulate_step
@@ -118,7 +119,9 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
     ``settings`` (a `StepSettings`) or keyword ``options`` with the same names choose the step, e.g.
     ``estimate_memory("llama-3.2-1b", batch_size=8, seq_length=2048, autocast="bfloat16", policy="full",
     loss="fused", strategy="fsdp2", world_size=8)``. Raises `ConfigError` for an unknown model or option, a value out
-    of range, or a combination the estimate does not model.
+    of range, or a combination the estimate does not model. Called from a process that joined a process group
+    (a torchrun worker), a step with FSDP2 or context parallelism is estimated in a child process
+    (`remat.estimate.isolation`).
     """
     unknown = sorted(set(options) - set(_SETTING_NAMES))
     if unknown:
@@ -128,6 +131,8 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
     model_cfg = resolve_model(model)
     settings = dataclasses.replace(settings, dtype=settings.dtype or model_cfg.dtype,
                                    autocast=settings.autocast or model_cfg.autocast)
+    if needs_fresh_process(settings.strategy, settings.cp_size):  # inside a distributed job: `remat.estimate.isolation`
+        return call_in_child("remat.estimate.api:estimate_memory", model_cfg, settings, label=label)
     return estimate_recipe(settings.to_recipe(model_cfg), settings, model=model_cfg.describe(), label=label)
 
 

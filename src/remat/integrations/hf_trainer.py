@@ -332,12 +332,13 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
 
 def _parallel_step(trainer: Any) -> dict[str, Any]:
     """The strategy and world size of the Trainer's step, for the planner: DDP over ``args.world_size`` processes
-    when there are several; the Trainer's FSDP is refused under ``auto`` in one line (the estimate simulates FSDP2 in
-    a fake process group of its own, which a process that joined the Trainer's cannot open)."""
+    when there are several; the Trainer's FSDP is refused under ``auto`` in one line (accelerate's FSDP is not the
+    FSDP2 step the estimate simulates, and the Trainer runs FSDP on GPUs only, where it has not been measured)."""
     if getattr(trainer, "is_fsdp_enabled", False):
-        raise ConfigError("prepare_trainer: policy='auto' does not plan the Trainer's FSDP yet (its estimate runs in "
-                          "a process group of its own, and this process joined the Trainer's); allowed with FSDP: a "
-                          "fixed policy such as 'selective' or 'full'; 'auto' plans one process or DDP")
+        raise ConfigError("prepare_trainer: policy='auto' does not plan the Trainer's FSDP yet (accelerate's FSDP "
+                          "casts and flattens parameters its own way, and the estimate has not been measured "
+                          "against it); allowed with FSDP: a fixed policy such as 'selective' or 'full'; 'auto' "
+                          "plans one process or DDP")
     world_size = int(getattr(trainer.args, "world_size", 1) or 1)
     return {"strategy": "ddp", "world_size": world_size} if world_size > 1 else {}
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from remat.errors import ConfigError
 from remat.estimate.api import ModelLike, resolve_model, settings_from_recipe
+from remat.estimate.isolation import call_in_child, needs_fresh_process
 from remat.estimate.settings import StepSettings
 from remat.models import ModelConfig
 from remat.checkpointing.budget import BudgetLike, MemoryBudget, parse_budget
@@ -64,13 +65,27 @@ def plan_activation_checkpointing(
         return plan_recipe(model_or_recipe, budget=memory_budget, target=target, flops_per_second=flops_per_second,
                            all_candidates=all_candidates, loss_choice=loss_choice, **settings)
     model, step, budget = _model_step(model_or_recipe, memory_budget, target, settings)
+    return plan_model_step(model, step, budget, flops_per_second=flops_per_second, all_candidates=all_candidates,
+                           loss_choice=loss_choice)
+
+
+def plan_model_step(model: ModelConfig, step: StepSettings, budget: int, *, flops_per_second: float | None = None,
+                    all_candidates: bool = False, loss_choice: str = "keep",
+                    spelling: Spelling = PYTHON) -> ActivationPlan:
+    """`plan_activation_checkpointing` once its arguments are resolved: the plan for ``step`` of ``model`` under
+    ``budget`` bytes. From a process that joined a process group, a step with FSDP2 or context parallelism is
+    planned in a child process (`remat.estimate.isolation`)."""
+    if needs_fresh_process(step.strategy, step.cp_size):
+        return call_in_child("remat.planner.api:plan_model_step", model, step, budget,  # type: ignore[no-any-return]
+                             flops_per_second=flops_per_second, all_candidates=all_candidates,
+                             loss_choice=loss_choice, spelling=spelling)
     if loss_choice == "choose":
         chooser = LossChooser(lambda loss, kwargs: Planner(model, dataclasses.replace(step, loss=loss,
                                                                                       loss_kwargs=kwargs),
-                                                           flops_per_second, spelling=PYTHON),
+                                                           flops_per_second, spelling=spelling),
                               step.loss, step.loss_kwargs)
         return chooser.plan(budget, all_candidates=all_candidates)
-    return Planner(model, step, flops_per_second, spelling=PYTHON).plan(budget, all_candidates=all_candidates)
+    return Planner(model, step, flops_per_second, spelling=spelling).plan(budget, all_candidates=all_candidates)
 
 
 def planner_for_model(model: nn.Module | ModelLike, *, memory_budget: BudgetLike = None, target: str | None = None,
@@ -116,8 +131,15 @@ def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | N
                 flops_per_second: float | None = None, all_candidates: bool = False, loss_choice: str = "keep",
                 **settings: Any) -> ActivationPlan:
     """The plan for the step ``cfg`` trains (its policy ignored) under ``budget`` (default: the recipe's
-    ``activation_checkpointing.memory_budget``); ``loss_choice="choose"`` also chooses the loss (`loss_chooser_for_recipe`)."""
+    ``activation_checkpointing.memory_budget``); ``loss_choice="choose"`` also chooses the loss (`loss_chooser_for_recipe`).
+    From a process that joined a process group, a step with FSDP2 or context parallelism is planned in a child
+    process (`remat.estimate.isolation`)."""
     target = target or default_target(cfg.distributed.device)
+    if needs_fresh_process(cfg.distributed.strategy, cfg.distributed.cp_size):
+        return call_in_child("remat.planner.api:plan_recipe", cfg,  # type: ignore[no-any-return]
+                             budget=recipe_budget(cfg, budget, target), target=target,
+                             flops_per_second=flops_per_second, all_candidates=all_candidates,
+                             loss_choice=loss_choice, **settings)
     if check_loss_choice(loss_choice) == "choose":
         planner: Planner | LossChooser = loss_chooser_for_recipe(cfg, target=target,
                                                                  flops_per_second=flops_per_second, **settings)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -31,7 +30,9 @@ from typing import Any, Final
 import torch.distributed as dist
 
 from remat.checkpointing import CheckpointPolicy, parse_policy
+from remat.distributed.launch import SAFE_PYTHON_FLAGS
 from remat.errors import ConfigError
+from remat.estimate.isolation import child_environment
 from remat.planner.api import default_target, planner_for_recipe, recipe_budget
 from remat.planner.planner import Planner
 from remat.planner.adapt.relaxing import forward_backward_peak, relaxed_plan
@@ -169,11 +170,6 @@ def adapter_for_recipe(cfg: RecipeConfig, *, world_size: int = 1) -> PlanAdapter
                        child=(data, world_size))
 
 
-#: Variables torchrun sets for its workers: a planning child process must not take itself for one.
-_LAUNCH_VARIABLES: Final[tuple[str, ...]] = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                             "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 @dataclass(frozen=True)
 class _Message:
     """One JSON line between a worker and its planning child (`plan_in_child`): a request (``recipe``,
@@ -204,11 +200,10 @@ def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any]
     import path, and not its working directory: `remat.distributed.launch.SAFE_PYTHON_FLAGS`), one `_Message` each
     way: returns the answer and the adapter's new state; `ConfigError` with the child's message when it finds no
     plan, `RuntimeError` with its output when it fails otherwise."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     message = _Message(recipe=recipe, world_size=world_size, state=state, **request)
-    proc = subprocess.run([sys.executable, "-P", "-m", "remat.planner.adapt.adapter"], input=message.to_json(),
-                          capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run([sys.executable, *SAFE_PYTHON_FLAGS, "-m", "remat.planner.adapt.adapter"],
+                          input=message.to_json(), capture_output=True, text=True, env=child_environment(),
+                          check=False)
     lines = proc.stdout.strip().splitlines()
     answer = _Message.from_json(lines[-1]) if proc.returncode == 0 and lines else None
     if answer is None:

@@ -1,0 +1,65 @@
+"""From a process that joined a process group (a torchrun worker), an estimate or a plan of a step with FSDP2 or
+context parallelism runs in a child process (`remat.estimate.isolation`) and answers what it answers outside one.
+Planning ``auto`` on 4 context-parallel ranks goes this way in tests/distributed/test_context_parallel.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from remat import estimate_memory
+from remat.errors import ConfigError
+from remat.estimate.isolation import call_in_child, child_environment, needs_fresh_process
+
+STEP = {"batch_size": 2, "seq_length": 64, "strategy": "fsdp2", "world_size": 2, "policy": "full", "target": "cpu"}
+
+
+@pytest.fixture()
+def joined(tmp_path) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """This test process as the one rank of a gloo process group, as a torchrun worker is."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_only_a_step_with_its_own_fake_process_group_needs_a_child(joined: None) -> None:
+    assert needs_fresh_process("fsdp2", 1) and needs_fresh_process("ddp", 2)
+    assert not needs_fresh_process("ddp", 1) and not needs_fresh_process("single", 1)
+
+
+def test_outside_a_process_group_nothing_needs_a_child() -> None:
+    assert not dist.is_initialized()
+    assert not needs_fresh_process("fsdp2", 2)
+
+
+def test_an_fsdp2_estimate_inside_a_process_group_equals_the_one_outside(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    outside = estimate_memory("tiny-llama", **STEP)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        inside = estimate_memory("tiny-llama", **STEP)
+    finally:
+        dist.destroy_process_group()
+    assert inside.peak_bytes == outside.peak_bytes
+    assert inside.breakdown == outside.breakdown and inside.phase_peaks == outside.phase_peaks
+
+
+def test_the_childs_config_error_is_raised_here_with_its_message() -> None:
+    with pytest.raises(ConfigError, match="no-such-model"):
+        call_in_child("remat.estimate.api:estimate_memory", "no-such-model")
+
+
+def test_a_child_runs_only_the_estimate_and_the_planner() -> None:
+    with pytest.raises(ValueError, match="is not one of"):
+        call_in_child("os:system", "true")
+
+
+def test_the_child_joins_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.setenv(name, "1")
+    env = child_environment()
+    assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & env.keys()
+    assert env["PYTHONPATH"]
