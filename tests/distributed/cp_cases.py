@@ -125,24 +125,28 @@ def planned(model: torch.nn.Module, fused: bool, strategy: str, cp_size: int) ->
     return sent[0]
 
 
-#: name -> (checkpointing, loss class): DDP recipes with cp_size 2 whose tracked step peak the estimate must equal.
-MEMORY_CASES: dict[str, tuple[Any, str]] = {
-    "none-plain": (False, "MaskedCrossEntropy"),
-    "full-plain": ("full", "MaskedCrossEntropy"),
-    "selective-fused": ("selective", "FusedLinearCrossEntropy"),
+#: name -> (checkpointing, loss class, strategy): recipes with cp_size 2 whose tracked step peak the estimate must
+#: equal.
+MEMORY_CASES: dict[str, tuple[Any, str, str]] = {
+    "none-plain": (False, "MaskedCrossEntropy", "ddp"),
+    "full-plain": ("full", "MaskedCrossEntropy", "ddp"),
+    "selective-fused": ("selective", "FusedLinearCrossEntropy", "ddp"),
+    # FSDP2 over the 2 ranks (dp x cp flattened): the root's gathered parameters held through the step
+    "fsdp2-full-plain": ("full", "MaskedCrossEntropy", "fsdp2"),
 }
 
 
-def memory_recipe(output_dir: str, checkpointing: Any, loss: str) -> dict[str, Any]:
-    """2 layers of tiny-llama, packed rows of 64 tokens, DDP over 2 ranks that share each row (cp_size 2), memory
-    tracked; 2 steps (the second has the optimizer state)."""
+def memory_recipe(output_dir: str, checkpointing: Any, loss: str, strategy: str = "ddp") -> dict[str, Any]:
+    """2 layers of tiny-llama, packed rows of 64 tokens, DDP (or FSDP2) over 2 ranks that share each row (cp_size
+    2), memory tracked; 2 steps (the second has the optimizer state)."""
     return {
         "output_dir": output_dir,
         "model": {"preset": "tiny-llama", "config": {"num_hidden_layers": 2}},
         "dataset": {"seq_length": 64},
         "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2, "max_steps": 2},
         "loss_fn": {"_target_": f"remat.loss.{loss}"},
-        "distributed": {"strategy": "ddp", "cp_size": 2, "activation_checkpointing": checkpointing, "device": "cpu"},
+        "distributed": {"strategy": strategy, "cp_size": 2, "activation_checkpointing": checkpointing,
+                        "device": "cpu"},
         "checkpoint": {"enabled": False},
         "logging": {"memory": "tracked", "progress": "plain", "metrics_file": None},
     }

@@ -124,14 +124,14 @@ def measured_peaks(tmp_path_factory: pytest.TempPathFactory, remat_cache: Path) 
 @pytest.mark.parametrize("case", list(MEMORY_CASES))
 def test_the_estimate_equals_each_context_parallel_ranks_tracked_peak(case: str, tmp_path: Path,
                                                                       measured_peaks: list[dict[str, Any]]) -> None:
-    """The CPU estimate of a ``cp_size`` 2 recipe (one rank: its shard, the all-to-all buffers, full-sequence
-    attention for half the heads) equals the tracked peak of step 2 on each of the 2 ranks, to the byte, but for one
+    """The CPU estimate of a ``cp_size`` 2 recipe under DDP or FSDP2 (one rank: its shard, the all-to-all buffers,
+    full-sequence attention for half the heads; FSDP2's gathered parameters) equals the tracked peak of step 2 on each of the 2 ranks, to the byte, but for one
     all-to-all input: gloo's worker thread may still hold the input of a finished all-to-all when the next tensor is
     made (seen once in a full suite run: +65,536 bytes, one layer's queries, on one rank under load)."""
     from remat.estimate.api import estimate_memory, settings_from_recipe
 
-    checkpointing, loss = MEMORY_CASES[case]
-    cfg = validate_recipe(memory_recipe(str(tmp_path), checkpointing, loss))
+    checkpointing, loss, strategy = MEMORY_CASES[case]
+    cfg = validate_recipe(memory_recipe(str(tmp_path), checkpointing, loss, strategy))
     model, settings = settings_from_recipe(cfg, target="cpu", documents_per_row=2, world_size=2)
     assert (settings.cp_size, settings.data_parallel) == (2, 1)
     estimate = estimate_memory(model, settings)

@@ -89,6 +89,21 @@ def test_tensor_resize_and_storage_resize_are_followed() -> None:
     del t
 
 
+def test_a_storage_emptied_before_the_tracker_counts_when_it_grows_back() -> None:
+    """FSDP2 keeps an unsharded parameter's storage for the run, emptied between steps: the next step's tracker
+    never saw it allocated, and its growth back is that step's allocation (freed again by the next resize)."""
+    kept = torch.empty(100)
+    kept.untyped_storage().resize_(0)  # an earlier step's, emptied after use
+    with LiveTensorTracker() as tracker:
+        kept.untyped_storage().resize_(400)
+        tracker.mark("grown")
+        kept.untyped_storage().resize_(0)
+        tracker.mark("emptied")
+    assert tracker.marks == {"grown": 400, "emptied": 0}
+    assert tracker.peak_bytes == 400 and tracker.peak_op == "UntypedStorage.resize_"
+    del kept
+
+
 def test_mark_labels_the_phase_of_a_later_peak_and_reset_peak_restarts() -> None:
     with LiveTensorTracker() as tracker:
         big = torch.empty(1000)

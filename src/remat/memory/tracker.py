@@ -407,6 +407,14 @@ class LiveTensorTracker(TorchDispatchMode):
         ref = self._refs.get(id(storage))
         if ref is not None and ref() is storage:
             self._resize(ref, storage.nbytes(), "UntypedStorage.resize_")
+        elif self._active and not self._host_depth and storage.nbytes() > 0:
+            # NOTE [ Storages that grow back ]
+            # FSDP2 keeps each unsharded parameter's storage for the whole run, resized to 0 between uses and
+            # back to full size when it gathers the parameter again. A storage emptied before this tracker was
+            # entered (in an earlier step) was never seen allocated; its growth is its allocation here.
+            self._add(storage, _TEMPORARIES)
+            if self._current > self._peak:
+                self._record_peak("UntypedStorage.resize_")
 
     def _record_peak(self, cause: Any) -> None:
         self._peak = self._current
