@@ -125,28 +125,35 @@ def planned(model: torch.nn.Module, fused: bool, strategy: str, cp_size: int) ->
     return sent[0]
 
 
-#: name -> (checkpointing, loss class, strategy): recipes with cp_size 2 whose tracked step peak the estimate must
-#: equal.
-MEMORY_CASES: dict[str, tuple[Any, str, str]] = {
-    "none-plain": (False, "MaskedCrossEntropy", "ddp"),
-    "full-plain": ("full", "MaskedCrossEntropy", "ddp"),
-    "selective-fused": ("selective", "FusedLinearCrossEntropy", "ddp"),
+#: name -> (checkpointing, loss class, strategy, cp_size, tp_size, seq_length): recipes on 2 ranks whose tracked step
+#: peak the estimate must equal.
+MEMORY_CASES: dict[str, tuple[Any, str, str, int, int, int]] = {
+    "none-plain": (False, "MaskedCrossEntropy", "ddp", 2, 1, 64),
+    "full-plain": ("full", "MaskedCrossEntropy", "ddp", 2, 1, 64),
+    "selective-fused": ("selective", "FusedLinearCrossEntropy", "ddp", 2, 1, 64),
     # FSDP2 over the 2 ranks (dp x cp flattened): the root's gathered parameters held through the step
-    "fsdp2-full-plain": ("full", "MaskedCrossEntropy", "fsdp2"),
+    "fsdp2-full-plain": ("full", "MaskedCrossEntropy", "fsdp2", 2, 1, 64),
+    # longer rows, so that what selective checkpointing saves makes the peak: the all-to-all outputs, once each
+    "fsdp2-selective-plain-512": ("selective", "MaskedCrossEntropy", "fsdp2", 2, 1, 512),
+    # tensor parallelism instead: the row-wise linears' all-reduced outputs saved, once each
+    "fsdp2-tp2-selective-plain-512": ("selective", "MaskedCrossEntropy", "fsdp2", 1, 2, 512),
 }
 
 
-def memory_recipe(output_dir: str, checkpointing: Any, loss: str, strategy: str = "ddp") -> dict[str, Any]:
-    """2 layers of tiny-llama, packed rows of 64 tokens, DDP (or FSDP2) over 2 ranks that share each row (cp_size
-    2), memory tracked; 2 steps (the second has the optimizer state)."""
+def memory_recipe(output_dir: str, checkpointing: Any, loss: str, strategy: str = "ddp", cp_size: int = 2,
+                  tp_size: int = 1, seq_length: int = 64) -> dict[str, Any]:
+    """2 layers of tiny-llama, packed rows of ``seq_length`` tokens, DDP (or FSDP2) over 2 ranks that share each row
+    (``cp_size`` 2) or each block's weights (``tp_size`` 2), memory tracked; 2 steps (the second has the optimizer
+    state)."""
+    rows = 2 if seq_length <= 64 else 1
     return {
         "output_dir": output_dir,
         "model": {"preset": "tiny-llama", "config": {"num_hidden_layers": 2}},
-        "dataset": {"seq_length": 64},
-        "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2, "max_steps": 2},
+        "dataset": {"seq_length": seq_length},
+        "step_scheduler": {"global_batch_size": rows, "local_batch_size": rows, "max_steps": 2},
         "loss_fn": {"_target_": f"remat.loss.{loss}"},
-        "distributed": {"strategy": strategy, "cp_size": 2, "activation_checkpointing": checkpointing,
-                        "device": "cpu"},
+        "distributed": {"strategy": strategy, "cp_size": cp_size, "tp_size": tp_size,
+                        "activation_checkpointing": checkpointing, "device": "cpu"},
         "checkpoint": {"enabled": False},
         "logging": {"memory": "tracked", "progress": "plain", "metrics_file": None},
     }

@@ -22,8 +22,8 @@ from remat.recipes.loader import validate_recipe
 
 def peaks(out: Path) -> dict[str, int]:
     report = {}
-    for name, (checkpointing, loss, strategy) in MEMORY_CASES.items():
-        job = FinetuneRecipe(validate_recipe(memory_recipe(str(out / name), checkpointing, loss, strategy)))
+    for name, case in MEMORY_CASES.items():
+        job = FinetuneRecipe(validate_recipe(memory_recipe(str(out / name), *case)))
         job.run()
         report[name] = job.memory_meter.last.peak_bytes  # this rank's own, not the maximum over ranks
     return report

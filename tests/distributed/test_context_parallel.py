@@ -122,20 +122,23 @@ def measured_peaks(tmp_path_factory: pytest.TempPathFactory, remat_cache: Path) 
 
 
 @pytest.mark.parametrize("case", list(MEMORY_CASES))
-def test_the_estimate_equals_each_context_parallel_ranks_tracked_peak(case: str, tmp_path: Path,
-                                                                      measured_peaks: list[dict[str, Any]]) -> None:
-    """The CPU estimate of a ``cp_size`` 2 recipe under DDP or FSDP2 (one rank: its shard, the all-to-all buffers,
-    full-sequence attention for half the heads; FSDP2's gathered parameters) equals the tracked peak of step 2 on each of the 2 ranks, to the byte, but for one
-    all-to-all input: gloo's worker thread may still hold the input of a finished all-to-all when the next tensor is
-    made (seen once in a full suite run: +65,536 bytes, one layer's queries, on one rank under load)."""
+def test_the_estimate_equals_each_ranks_tracked_peak(case: str, tmp_path: Path,
+                                                     measured_peaks: list[dict[str, Any]]) -> None:
+    """The CPU estimate of a recipe on 2 ranks with ``cp_size`` 2 (one rank: its shard, the all-to-all buffers,
+    full-sequence attention for half the heads) or ``tp_size`` 2 (half of each block's weights, the all-reduced
+    outputs), under DDP or FSDP2 (its gathered parameters), equals the tracked peak of step 2 on each rank, to the
+    byte, but for one all-to-all input: gloo's worker thread may still hold the input of a finished all-to-all when
+    the next tensor is made (seen once in a full suite run: +65,536 bytes, one layer's queries, on one rank under
+    load)."""
     from remat.estimate.api import estimate_memory, settings_from_recipe
 
-    checkpointing, loss, strategy = MEMORY_CASES[case]
-    cfg = validate_recipe(memory_recipe(str(tmp_path), checkpointing, loss, strategy))
+    *_, cp_size, tp_size, seq_length = MEMORY_CASES[case]
+    cfg = validate_recipe(memory_recipe(str(tmp_path), *MEMORY_CASES[case]))
     model, settings = settings_from_recipe(cfg, target="cpu", documents_per_row=2, world_size=2)
-    assert (settings.cp_size, settings.data_parallel) == (2, 1)
+    assert (settings.cp_size, settings.tp_size, settings.data_parallel) == (cp_size, tp_size, 1)
     estimate = estimate_memory(model, settings)
-    one_input = 2 * 4 * 32 * 64 * 4  # [rows, heads, tokens / cp_size, head_dim] float32 queries of one layer
+    # [rows, heads, tokens / cp_size, head_dim] float32 queries of one layer
+    one_input = settings.batch_size * 4 * (seq_length // cp_size) * 64 * 4
     for report in measured_peaks:
         assert report[case] in (estimate.peak_bytes, estimate.peak_bytes + one_input), (report[case], estimate)
     assert estimate.peak_bytes in [report[case] for report in measured_peaks]

@@ -166,7 +166,7 @@ def test_recipe_options_override_and_a_new_loss_drops_the_recipes_loss_arguments
 @pytest.mark.parametrize(("sections", "message"), [
     ({"loss_fn": {"_target_": "torch.nn.CrossEntropyLoss"}}, "loss_fn._target_"),
     ({"step_scheduler": {"global_batch_size": 6, "local_batch_size": 2}}, "global_batch_size"),
-    ({"distributed": {"strategy": "fsdp2", "tp_size": 2, "dp_size": 1}}, "distributed.tp_size: 2"),
+    ({"distributed": {"strategy": "fsdp2", "cpu_offload": True, "dp_size": 1}}, "distributed.cpu_offload"),
 ])
 def test_recipes_the_estimate_cannot_model_are_config_errors(sections: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

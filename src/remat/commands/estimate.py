@@ -22,8 +22,8 @@ preset or a config.json; options override the recipe's settings.
   remat estimate --config path/to/config.json --compare --setting policy=sqrt --setting batch_size=16,loss=fused
 --compare prints one row per setting side by side: none, selective and full checkpointing, each with the plain and
 the fused loss, then one row per --setting. A --setting is KEY=VALUE[,KEY=VALUE...] over the option names below
-(batch_size, seq_length, dtype, autocast, policy, loss, optimizer, strategy, world_size, cp_size, mixed_precision,
-grad_accumulation, documents_per_row, target); values are read as YAML. Without --compare, one --setting may adjust
+(batch_size, seq_length, dtype, autocast, policy, loss, optimizer, strategy, world_size, cp_size, tp_size,
+mixed_precision, grad_accumulation, documents_per_row, target); values are read as YAML. Without --compare, one --setting may adjust
 the single estimate. Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
 --longest answers instead the longest sequence whose predicted peak fits --fits, per setting (with --compare
 also full + tiled and full + tiled + offload, fused loss), from three estimates at shorter lengths extrapolated
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 _FLAGS: tuple[tuple[str, str], ...] = (
     ("batch_size", "batch_size"), ("seq_length", "seq_length"), ("dtype", "dtype"), ("autocast", "autocast"),
     ("policy", "policy"), ("loss", "loss"), ("optimizer", "optimizer"), ("strategy", "strategy"),
-    ("world_size", "world_size"), ("cp_size", "cp_size"), ("mixed_precision", "mixed_precision"),
+    ("world_size", "world_size"), ("cp_size", "cp_size"), ("tp_size", "tp_size"), ("mixed_precision", "mixed_precision"),
     ("grad_accumulation", "grad_accumulation"),
     ("documents_per_row", "documents_per_row"), ("target", "target"),
 )
@@ -79,9 +79,12 @@ def register(subparsers: Any) -> None:
                                                                  "linear cross-entropy")
     step.add_argument("--optimizer", help="optimizer class (default torch.optim.AdamW)")
     step.add_argument("--strategy", choices=STRATEGIES, help="single, ddp or fsdp2")
-    step.add_argument("--world-size", type=int, help="processes (ddp / fsdp2): data-parallel x context-parallel ranks")
+    step.add_argument("--world-size", type=int, help="processes (ddp / fsdp2): data-parallel x context-parallel x "
+                                                    "tensor-parallel ranks")
     step.add_argument("--cp-size", type=int, help="context-parallel ranks sharing each row (the estimate is one "
                                                  "rank's); alone it means fsdp2 over that many processes")
+    step.add_argument("--tp-size", type=int, help="tensor-parallel ranks splitting each block's weights (fsdp2 only; "
+                                                 "the estimate is one rank's)")
     step.add_argument("--mixed-precision", choices=MIXED_PRECISION,
                       help="FSDP2 compute dtype of the gathered parameters (fsdp2 only)")
     step.add_argument("--grad-accumulation", type=int, help="micro-batches per optimizer step")

@@ -139,7 +139,7 @@ class DistributedSetup:
             with setup_deadline(init_timeout_s + WATCHDOG_GRACE_S, late):
                 setup.owns_process_group = init_process_group(env, resolved, init_timeout_s=init_timeout_s,
                                                               timeout_s=timeout_s)
-                setup.mesh = _device_mesh(resolved, dp, tp_size, cp_size)
+                setup.mesh = device_mesh(resolved, dp, tp_size, cp_size)
                 setup.batch_mesh = setup.mesh["dp"]
                 if cp_size > 1:
                     # One dimension over dp x cp for DDP and FSDP2 (as TorchTitan's `dp_shard_cp`); made on every rank.
@@ -387,7 +387,9 @@ class DistributedSetup:
         self.owns_process_group = False
 
 
-def _device_mesh(device: torch.device, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
+def device_mesh(device: torch.device, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
+    """The ranks laid out ``(dp,)``, ``(dp, cp)``, ``(dp, tp)`` or ``(dp, cp, tp)`` over the default process group
+    (the real one, or the estimate's fake one: `remat.estimate.simulate`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if cp > 1 and tp > 1:  # tensor-parallel ranks innermost: the most traffic between the nearest ranks

@@ -246,8 +246,10 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
 
     d = cfg.distributed
     if d.strategy != "single" and d.dp_size is None and not options.get("world_size"):
-        layout = ("one rank" if d.cp_size == 1 else
-                  f"one data-parallel rank: {d.cp_size} processes, dp 1 x cp {d.cp_size}")
+        shared = d.cp_size * d.tp_size
+        layout = ("one rank" if shared == 1 else
+                  f"one data-parallel rank: {shared} processes, dp 1"
+                  + (f" x cp {d.cp_size}" if d.cp_size > 1 else "") + (f" x tp {d.tp_size}" if d.tp_size > 1 else ""))
         logger.warning("distributed.dp_size is null (the launcher decides it): estimating %s; give world_size "
                        "(--world-size) for the number of processes you will launch", layout)
     tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)

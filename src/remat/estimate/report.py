@@ -212,11 +212,14 @@ def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: frozens
 
 def describe_parallel(s: StepSettings, *, shard: bool = True) -> str:
     """``single``, ``fsdp2 over 8 ranks``, or with context parallelism ``fsdp2 over 8 ranks (dp 1 x cp 8: one rank's
-    peak, its 8192-token shard of each row)`` (``shard`` False leaves the shard's length out)."""
+    peak, its 8192-token shard of each row)`` (``shard`` False leaves the shard's length out), with tensor
+    parallelism ``fsdp2 over 8 ranks (dp 4 x tp 2: one rank's peak)``."""
     if s.strategy == "single":
         return "single"
     text = f"{s.strategy} over {s.world_size} ranks"
-    if s.cp_size > 1:
-        cut = f", its {-(-s.seq_length // s.cp_size)}-token shard of each row" if shard else ""
-        text += f" (dp {s.data_parallel} x cp {s.cp_size}: one rank's peak{cut})"
+    if s.cp_size > 1 or s.tp_size > 1:
+        layout = f"dp {s.data_parallel}" + (f" x cp {s.cp_size}" if s.cp_size > 1 else "") + (
+            f" x tp {s.tp_size}" if s.tp_size > 1 else "")
+        cut = f", its {-(-s.seq_length // s.cp_size)}-token shard of each row" if shard and s.cp_size > 1 else ""
+        text += f" ({layout}: one rank's peak{cut})"
     return text

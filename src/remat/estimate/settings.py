@@ -31,8 +31,9 @@ from remat.recipes.loader import validate_recipe
 class StepSettings:
     """One training step to estimate: shapes, precision, memory savers, optimizer and parallelism.
 
-    ``world_size`` is the number of processes, ``cp_size`` how many of them share each row (context parallelism:
-    ``world_size / cp_size`` data-parallel ranks).
+    ``world_size`` is the number of processes, ``cp_size`` how many of them share each row (context parallelism)
+    and ``tp_size`` how many split each block's weights (tensor parallelism, with FSDP2): ``world_size / (cp_size x
+    tp_size)`` data-parallel ranks.
     ``batch_size`` is the per-rank micro-batch (``step_scheduler.local_batch_size``), ``grad_accumulation`` the
     micro-batches per step, ``policy`` ``distributed.activation_checkpointing``, ``loss`` ``"plain"`` / ``"fused"`` or
     a ``loss_fn._target_``; ``dtype``/``autocast`` None keep the model config's; ``peft`` the recipe's LoRA section
@@ -53,6 +54,7 @@ class StepSettings:
     strategy: str = "single"
     world_size: int = 1
     cp_size: int = 1
+    tp_size: int = 1
     mixed_precision: str | None = None
     grad_accumulation: int = 1
     documents_per_row: int = 1
@@ -65,7 +67,8 @@ class StepSettings:
     def validate(self) -> None:
         """Raise `ConfigError` naming the keyword argument that is out of range (the recipe built from the settings
         is validated by the recipe's validator; this names the argument the caller typed)."""
-        for name in ("batch_size", "seq_length", "world_size", "cp_size", "grad_accumulation", "documents_per_row"):
+        for name in ("batch_size", "seq_length", "world_size", "cp_size", "tp_size", "grad_accumulation",
+                     "documents_per_row"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: got {value!r}; allowed: an integer >= 1")
@@ -84,6 +87,13 @@ class StepSettings:
         if self.world_size % self.cp_size:
             raise ConfigError(f"cp_size: {self.cp_size} does not divide world_size {self.world_size} (the processes, "
                               "dp x cp); allowed: a divisor of world_size")
+        if self.tp_size > 1 and self.strategy != "fsdp2":
+            raise ConfigError(f"tp_size: {self.tp_size} needs strategy 'fsdp2' (got {self.strategy!r}); allowed with "
+                              f"{self.strategy!r}: 1")
+        if self.world_size % (self.cp_size * self.tp_size):
+            raise ConfigError(f"tp_size: cp_size {self.cp_size} x tp_size {self.tp_size} does not divide world_size "
+                              f"{self.world_size} (the processes, dp x cp x tp); allowed: a tp_size whose product with "
+                              "cp_size divides world_size")
         if self.mixed_precision is not None and self.strategy != "fsdp2":
             raise ConfigError(f"mixed_precision: {self.mixed_precision!r} is FSDP2's; allowed with strategy "
                               f"{self.strategy!r}: null (use autocast)")
@@ -91,8 +101,8 @@ class StepSettings:
 
     @property
     def data_parallel(self) -> int:
-        """The data-parallel ranks: ``world_size / cp_size``."""
-        return self.world_size // self.cp_size
+        """The data-parallel ranks: ``world_size / (cp_size x tp_size)``."""
+        return self.world_size // (self.cp_size * self.tp_size)
 
     def describe(self) -> str:
         """A short label such as ``"full + fused"``."""
@@ -121,7 +131,7 @@ class StepSettings:
             "distributed": {**data.get("distributed", {}), "strategy": self.strategy,
                             "activation_checkpointing": policy.to_dict(),
                             "dp_size": None if self.strategy == "single" else self.data_parallel,
-                            "cp_size": self.cp_size,
+                            "cp_size": self.cp_size, "tp_size": self.tp_size,
                             "mixed_precision": self.mixed_precision},
             "custom_target_packages": list(self.custom_target_packages),
             "peft": dict(self.peft) if self.peft is not None else None,
@@ -137,16 +147,14 @@ class StepSettings:
         if unknown:
             raise ConfigError(f"{unknown[0]}: not a setting of the estimate; allowed: {', '.join(names)}")
         d, sched = cfg.distributed, cfg.step_scheduler
-        if d.tp_size != 1:  # said before the batch arithmetic, which would otherwise name the wrong key
-            raise ConfigError(f"distributed.tp_size: {d.tp_size} is not modelled by the estimate; allowed: 1 (data "
-                              "and context parallelism only)")
         cp_size = options.get("cp_size") or d.cp_size
-        world_size = options.pop("world_size", None) or (d.dp_size or 1) * cp_size
-        accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * (world_size // cp_size))
+        tp_size = options.get("tp_size") or d.tp_size
+        world_size = options.pop("world_size", None) or (d.dp_size or 1) * cp_size * tp_size
+        data_parallel = world_size // (cp_size * tp_size)
+        accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * data_parallel)
         if rest or accumulation < 1:
             raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-                              f"({sched.local_batch_size}) x data-parallel ranks ({world_size // cp_size}) x an "
-                              "integer")
+                              f"({sched.local_batch_size}) x data-parallel ranks ({data_parallel}) x an integer")
         short = {target: name for name, target in LOSS_TARGETS.items()}
         loss = short.get(cfg.loss_fn.target, cfg.loss_fn.target)
         settings = cls(
@@ -154,7 +162,7 @@ class StepSettings:
             autocast=cfg.model.autocast, policy=_policy_value(d.policy if d.auto is None else d.auto.plan), loss=loss,
             loss_kwargs=dict(cfg.loss_fn.kwargs), optimizer=cfg.optimizer.target,
             optimizer_kwargs=dict(cfg.optimizer.kwargs), clip_grad_norm=cfg.clip_grad_norm.max_norm,
-            strategy=d.strategy, world_size=world_size, cp_size=d.cp_size, mixed_precision=d.mixed_precision,
+            strategy=d.strategy, world_size=world_size, cp_size=d.cp_size, tp_size=d.tp_size, mixed_precision=d.mixed_precision,
             grad_accumulation=accumulation, vocab_size=vocab_size,
             custom_target_packages=tuple(cfg.custom_target_packages),
             peft=cfg.peft.model_dump(mode="json") if cfg.peft is not None else None, base=cfg,

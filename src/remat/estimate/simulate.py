@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from remat._logs import quiet_log
 from remat.data import IGNORE_INDEX
 from remat.distributed import DistributedSetup
+from remat.distributed.setup import device_mesh
 from remat.distributed.layout import world_layout
 from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
@@ -75,6 +76,7 @@ DDP_BUCKET_BYTES: Final[int] = 25 * 2**20
 GRADIENT_BUCKETS: Final[str] = "gradient_buckets"
 """The category of DDP's gradient buckets, which the live-tensor tracker does not see."""
 _DEVICE_OP: Final[Any] = torch.ops.prim.device.default
+_WAIT_TENSOR: Final[Any] = torch.ops._c10d_functional.wait_tensor.default
 BLOCK_FORWARD: Final[str] = "block forward "
 BLOCK_BACKWARD: Final[str] = "block backward "
 AFTER_FORWARD: Final[str] = "after block forward "
@@ -169,6 +171,13 @@ class _SimulationMode(TorchDispatchMode):
             # Half the ops of a step are device queries (the autograd engine asks for every gradient); answered
             # here as the fake mode answers them, they skip the modes below, which neither allocate nor record.
             return args[0].fake_device
+        if func is _WAIT_TENSOR and isinstance(args[0], FakeTensor):
+            # NOTE [ wait_tensor returns its input ]
+            # Eager ``wait_tensor`` waits for a functional collective (context parallelism's all-to-all, DTensor's
+            # all-reduce under tensor parallelism) and returns the same tensor; the fake kernel returns a new one.
+            # Selective checkpointing saves the outputs of both ops, which eager holds once: the fake copy would
+            # count every collective's output twice for each layer (measured: 2 MiB over on tiny-llama, tp 2).
+            return args[0]
         kwargs = kwargs or {}
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # DTensor: let it run its ops on local tensors, which come back here
@@ -320,9 +329,10 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
     strategy = recipe.distributed.strategy
     cp_size = recipe.distributed.cp_size
     with _process_group(strategy, run.world_size, cp_size), _private_sharding_fake_mode():
-        setup = simulation_setup(recipe, run.world_size, mesh=_mesh(strategy, run.world_size, cp_size))
+        setup = simulation_setup(recipe, run.world_size, mesh=_mesh(recipe, run.world_size))
         net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
-        with fake, quiet_log("remat.distributed.setup"):  # the context-parallel line is the real run's to say
+        # FSDP2 over a tensor-parallel mesh builds a joined mesh from its real rank tensor: real ops stay real.
+        with fake, _SimulationMode(cuda=False), quiet_log("remat.distributed.setup"):  # (the cp line is the run's)
             root = build_training_module(net, recipe, setup)
         if setup.plan is not None:
             trace.notes.append(f"activation checkpointing: {setup.plan.summary()}")
@@ -469,9 +479,6 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
     if run.target not in TARGETS:
         raise ConfigError(f"target: got {run.target!r}; allowed: {', '.join(TARGETS)}")
     d = recipe.distributed
-    if d.tp_size != 1:
-        raise ConfigError(f"distributed.tp_size: {d.tp_size} is not modelled by the estimate; allowed: 1 (data and "
-                          "context parallelism only)")
     world_layout(d.strategy, d.dp_size, d.tp_size, d.cp_size, world_size=run.world_size)
     if d.cpu_offload:
         raise ConfigError("distributed.cpu_offload: true keeps FSDP2's state in host memory, which the estimate does "
@@ -481,7 +488,7 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
         raise ConfigError(f"documents_per_row: {run.documents_per_row} documents do not fit a row of {seq_length} "
                           f"tokens; allowed: 1 to {seq_length // 2}")
     sched = recipe.step_scheduler
-    data_parallel = run.world_size // d.cp_size
+    data_parallel = run.world_size // (d.cp_size * d.tp_size)
     accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * data_parallel)
     if rest or accumulation < 1:
         raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
@@ -496,11 +503,13 @@ def simulation_setup(recipe: RecipeConfig, world_size: int, *, mesh: Any = None,
                      device: torch.device | None = None) -> DistributedSetup:
     """The recipe's `DistributedSetup` for one rank of ``world_size``, without joining a process group: FSDP2 runs
     over ``mesh`` (a fake process group's); DDP is simulated without its wrapper (see the module docstring); with
-    ``cp_size`` > 1 the rank is the first of its context-parallel group, over the mesh's ``cp`` dimension."""
+    ``cp_size`` > 1 the rank is the first of its context-parallel group, over the mesh's ``cp`` dimension; with
+    ``tp_size`` > 1 the first of its tensor-parallel group, over the mesh's ``tp`` dimension."""
     d = recipe.distributed
     setup = DistributedSetup(strategy="single" if d.strategy == "ddp" else d.strategy,
                              activation_checkpointing=d.policy, planned=d.auto is not None,
-                             dp_size=world_size // d.cp_size, cp_size=d.cp_size, world_size=world_size,
+                             dp_size=world_size // (d.cp_size * d.tp_size), tp_size=d.tp_size, cp_size=d.cp_size,
+                             world_size=world_size,
                              mixed_precision=d.mixed_precision,
                              fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch,
                              device=device or torch.device("cpu"))
@@ -550,16 +559,14 @@ def _add_ddp_buckets(trace: StepTrace, trainable: list[nn.Parameter]) -> None:
                        "held for the whole run")
 
 
-def _mesh(strategy: str, world_size: int, cp_size: int = 1) -> Any:
-    """FSDP2's data-parallel mesh, or the ``(dp, cp)`` mesh of context parallelism, over the fake process group
-    (outside the fake mode: it reads its rank tensor)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if cp_size > 1:
-        return init_device_mesh("cpu", (world_size // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
-    if strategy != "fsdp2":
+def _mesh(recipe: RecipeConfig, world_size: int) -> Any:
+    """The device mesh the recipe's ranks are laid out on (`remat.distributed.setup.device_mesh`: FSDP2's ``dp``,
+    with ``cp`` and ``tp`` dimensions when they are > 1) over the fake process group, or None for DDP without
+    context parallelism (simulated unwrapped); built outside the fake mode (it reads its rank tensor)."""
+    d = recipe.distributed
+    if d.strategy != "fsdp2" and d.cp_size == 1:
         return None
-    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    return device_mesh(torch.device("cpu"), world_size // (d.cp_size * d.tp_size), d.tp_size, d.cp_size)
 
 
 def _local_numel(tensor: torch.Tensor) -> int:

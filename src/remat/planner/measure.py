@@ -9,13 +9,18 @@ as in training, inside a `LiveTensorTracker` (bytes) and torch's ``FlopCounterMo
 block. The bytes are those of the step the estimate simulates (same dtype, autocast and attention kernel: the CUDA
 kernel for ``target="cuda"``).
 
-NOTE [ block costs under context parallelism ]
+NOTE [ block costs under context and tensor parallelism ]
 With ``cp_size`` N a rank runs each block on its ``1/N`` shard of the tokens, and inside attention on all tokens of
 ``1/N`` of the heads: every term of a block's kept bytes and FLOPs (the projections and MLP per token, attention per
 head over the whole row) is ``1/N`` of the whole row's. The block is measured on the whole row in one process (no
 process group is needed) and its costs divided by N: the planner's per-rank share. What a candidate policy's step
 peaks at is priced by the estimate, which simulates the real rank (`remat.estimate.simulate`), so the budget check
 does not rest on this division.
+
+With ``tp_size`` T the block's linear layers and attention heads are split over T ranks, its norms and residual
+stream are not: a rank computes about ``1/T`` of the block's FLOPs (the matmuls) but keeps between ``1/T`` and all of
+its bytes (a checkpointed block's input is the whole hidden state on every rank). The FLOPs are divided by T, the
+bytes are not (an upper bound); again the estimate, which runs the tensor-parallel rank, prices each candidate.
 """
 
 from __future__ import annotations
@@ -137,12 +142,14 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
     batch = make_batch(recipe, run, vocab)
     calls = _capture_calls(net, [group[0] for group in groups], batch, fake, run)
     compute_dtype = _compute_dtype(recipe)
-    share = recipe.distributed.cp_size  # NOTE [ block costs under context parallelism ]
+    share = recipe.distributed.cp_size  # NOTE [ block costs under context and tensor parallelism ]
+    flops_share = share * recipe.distributed.tp_size
     kinds = []
     for group in groups:
         first = group[0]
-        raw = {mode: tuple(value // share for value in costs)
-               for mode, costs in _measure_kind(net, first, calls[first.index], fake, run, compute_dtype).items()}
+        raw = {mode: (kept // share, flops // flops_share, peak // share)
+               for mode, (kept, flops, peak) in _measure_kind(net, first, calls[first.index], fake, run,
+                                                              compute_dtype).items()}
         base_flops = raw["none"][1]
         kinds.append(BlockKind(
             name=_kind_name(first, len(groups)),
