@@ -37,8 +37,8 @@ COMMANDS: dict[str, str] = {
     # README.md
     "python3.11 -m venv .venv && .venv/bin/pip install -c constraints.txt -e . && .venv/bin/remat finetune "
     "examples/quickstart.yaml": _SETUP,
-    "python3.11 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[test]' && .venv/bin/pytest -q":
-        _SETUP,
+    "python3.11 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[test]' && .venv/bin/pytest -q "
+    "-n 2 --dist loadfile": _SETUP,
     "remat finetune examples/fsdp2_quickstart.yaml --nproc-per-node 2": CHECK,
     "remat finetune examples/ddp_quickstart.yaml --nproc-per-node 2": CHECK,
     "remat estimate --preset llama-3.2-1b --batch-size 8 --seq-length 2048 --autocast bfloat16 --compare --fits 80GiB":
