@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from tiny import tiny_recipe
 
-from remat import estimate_memory
+from remat import estimate_memory, plan_activation_checkpointing
 from remat.errors import ConfigError
 from remat.estimate.isolation import call_in_child, child_environment, needs_fresh_process
 
@@ -45,6 +46,16 @@ def test_an_fsdp2_estimate_inside_a_process_group_equals_the_one_outside(tmp_pat
         dist.destroy_process_group()
     assert inside.peak_bytes == outside.peak_bytes
     assert inside.breakdown == outside.breakdown and inside.phase_peaks == outside.phase_peaks
+
+
+def test_an_fsdp2_recipe_is_planned_inside_a_process_group(joined: None) -> None:
+    """`plan_activation_checkpointing` of a recipe goes through `plan_recipe`, which runs in the child too; its
+    budget, already in bytes, is passed on as bytes."""
+    from remat.recipes.loader import validate_recipe
+
+    cfg = validate_recipe(tiny_recipe(distributed={"strategy": "fsdp2", "dp_size": 2, "device": "cpu"}))
+    plan = plan_activation_checkpointing(cfg, memory_budget="200MiB")
+    assert plan.peak_bytes <= 200 * 2**20 and plan.policy.describe() == "none"
 
 
 def test_the_childs_config_error_is_raised_here_with_its_message() -> None:
