@@ -31,7 +31,8 @@ CASES_4: dict[str, tuple[str, Any, bool, str, int]] = {
     "qwen3-none-plain-fsdp2-dp2xcp2": ("qwen3", False, False, "fsdp2", 2),
     # 4 heads over tp 2, each rank's 2 over cp 2; its one key/value head repeated for the 2 context ranks
     "llama-full-fused-fsdp2-cp2xtp2": ("llama", "full", True, "fsdp2", 2, 2),
-    # planned on each rank for a budget midway between its none and full estimates (one shard of 8 tokens per row)
+    # planned on rank 0 for a budget midway between its none and full estimates (one shard of 8 tokens per row),
+    # from inside the job (in child processes), and sent to the other ranks
     "qwen3-auto-fused-ddp-cp4": ("qwen3", "auto", True, "ddp", 4),
 }
 ROWS = 2

@@ -23,8 +23,8 @@ preset or a config.json; options override the recipe's settings.
 --compare prints one row per setting side by side: none, selective and full checkpointing, each with the plain and
 the fused loss, then one row per --setting. A --setting is KEY=VALUE[,KEY=VALUE...] over the option names below
 (batch_size, seq_length, dtype, autocast, policy, loss, optimizer, strategy, world_size, cp_size, tp_size,
-mixed_precision, grad_accumulation, documents_per_row, target); values are read as YAML. Without --compare, one --setting may adjust
-the single estimate. Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
+mixed_precision, grad_accumulation, documents_per_row, target); values are read as YAML. Without --compare, one
+--setting may adjust the single estimate. Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
 --longest answers instead the longest sequence whose predicted peak fits --fits, per setting (with --compare
 also full + tiled and full + tiled + offload, fused loss), from three estimates at shorter lengths extrapolated
 per phase (--confirm checks each answer with direct estimates):
@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 _FLAGS: tuple[tuple[str, str], ...] = (
     ("batch_size", "batch_size"), ("seq_length", "seq_length"), ("dtype", "dtype"), ("autocast", "autocast"),
     ("policy", "policy"), ("loss", "loss"), ("optimizer", "optimizer"), ("strategy", "strategy"),
-    ("world_size", "world_size"), ("cp_size", "cp_size"), ("tp_size", "tp_size"), ("mixed_precision", "mixed_precision"),
-    ("grad_accumulation", "grad_accumulation"),
+    ("world_size", "world_size"), ("cp_size", "cp_size"), ("tp_size", "tp_size"),
+    ("mixed_precision", "mixed_precision"), ("grad_accumulation", "grad_accumulation"),
     ("documents_per_row", "documents_per_row"), ("target", "target"),
 )
 
