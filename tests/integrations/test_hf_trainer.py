@@ -245,3 +245,23 @@ def test_auto_plans_ddp_for_several_processes_and_refuses_the_trainers_fsdp() ->
     with pytest.raises(ConfigError, match=r"policy='auto' does not plan the Trainer's FSDP yet .* allowed with FSDP: "
                                           r"a fixed policy"):
         _parallel_step(SimpleNamespace(is_fsdp_enabled=True, args=SimpleNamespace(world_size=2)))
+
+
+def test_planning_auto_leaves_no_trace_on_the_run(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Planning (and the fused loss's head probe) put back every random generator and the model's mode: the prepared
+    run draws the same data order as the Trainer without remat, so its losses are the same bit for bit."""
+    import random
+
+    import numpy as np
+
+    trainer = _trainer(tmp_path)
+    trainer.model.eval()
+    torch.manual_seed(7)  # off the Trainer's seed 0: a planner that seeds 0 itself would otherwise go unnoticed
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    remat.prepare_trainer(trainer, "auto", memory_budget=_budget_near_none(trainer), target="cpu")
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert (np.random.get_state()[1] == before[2]).all()
+    assert not trainer.model.training
+    torch.manual_seed(0)  # where the Trainer left it, as in the reference run
+    trainer.train()
+    assert [(r["loss"], r["grad_norm"]) for r in _logged(trainer)] == [(r["loss"], r["grad_norm"]) for r in reference]

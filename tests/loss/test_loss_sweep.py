@@ -3,8 +3,9 @@
 Every model type of transformers' causal-LM mapping is built from a tiny config (a generic shrink of its defaults;
 types whose defaults cannot be shrunk that way, or whose own forward fails on it, are counted, not tested). For each,
 `remat.loss.verify_output_head` either passes, and then the fused loss and every gradient equal those of the
-model's own logits, or refuses in one line (ConfigError); any other exception is a failure. A deliberately wrong head
-is refused."""
+model's own loss (its own label convention; the next-token loss of its logits where its forward computes none), or
+refuses in one line (ConfigError); any other exception is a failure. A deliberately wrong head, and a model whose own
+loss does not shift its labels, are refused."""
 
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ def _fused(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.T
     return loss_fn(hidden * head.hidden_scale, head.weight, labels, bias=head.bias)
 
 
+def _own_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The model's own loss of ``labels`` (its own label convention), or the next-token loss of its logits when its
+    forward computes none: what training without remat would optimise."""
+    try:
+        output = model(input_ids=ids, labels=labels, use_cache=False)
+    except TypeError:
+        output = None
+    if output is not None and isinstance(getattr(output, "loss", None), torch.Tensor):
+        return output.loss
+    return MaskedCrossEntropy()(model(input_ids=ids, use_cache=False).logits, labels)
+
+
 @pytest.mark.slow
 def test_every_causal_lm_is_exact_or_refused_in_one_line() -> None:
     hf_logging.set_verbosity_error()
@@ -99,7 +112,7 @@ def test_every_causal_lm_is_exact_or_refused_in_one_line() -> None:
             model.train()  # as in training (some models act otherwise in eval); dropout draws the same masks
             try:
                 torch.manual_seed(1)
-                plain = MaskedCrossEntropy()(model(input_ids=ids, use_cache=False).logits, labels)
+                plain = _own_loss(model, ids, labels)
                 plain.backward()
                 expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
                 model.zero_grad(set_to_none=True)
@@ -117,7 +130,9 @@ def test_every_causal_lm_is_exact_or_refused_in_one_line() -> None:
     assert not failures, "\n".join(failures)
     counts = {kind: sum(v == kind for v in outcomes.values()) for kind in ("exact", "refused", "not built")}
     assert counts["exact"] >= 90 and counts["refused"] >= 10, counts  # the sweep reaches most of the mapping
-    for known_wrong in ("bert", "roberta", "camembert", "xlm-roberta", "megatron-bert", "ernie", "data2vec-text"):
+    for known_wrong in ("bert", "roberta", "camembert", "xlm-roberta", "megatron-bert", "ernie", "data2vec-text",
+                        # their own causal-LM loss does not shift the labels (NOTE [ The loss, not only the logits ])
+                        "bart", "marian", "mbart", "pegasus", "whisper", "xlnet"):
         assert outcomes.get(known_wrong) in ("refused", "not built"), known_wrong
 
 
@@ -149,3 +164,13 @@ def test_a_deliberately_wrong_head_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"computes its logits otherwise than hidden @ lm_head.weight.T .*relative "
                                           r"difference [0-9.e+-]+ on a probe of 8 tokens"):
         verify_output_head(_TransformedHead(model))
+
+
+def test_a_model_whose_own_loss_does_not_shift_the_labels_is_refused() -> None:
+    config = AutoConfig.for_model("bart", d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                                  max_position_embeddings=64, is_decoder=True)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"^loss_fn: BartForCausalLM \(model_type 'bart'\): its own loss does not "
+                                          r"shift the labels .*allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy"):
+        verify_output_head(model)

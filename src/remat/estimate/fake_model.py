@@ -23,9 +23,11 @@ from remat.recipes.config import RecipeConfig
 
 
 def build_fake_model(recipe: RecipeConfig, fake: FakeTensorMode, *, vocab_size: int | None) -> nn.Module:
-    """``recipe``'s model (seeded with 0) with fake parameters from ``fake``, with its LoRA adapters if any."""
+    """``recipe``'s model with fake parameters from ``fake``, with its LoRA adapters if any.
+
+    No generator is seeded or drawn from: fake initialisers draw no numbers, and a seed set here would reach the run
+    (torch.manual_seed also queues a CUDA seed applied when CUDA starts, replacing the run's own)."""
     with fake, quiet_log("remat.models.document_attention"):  # the attention line is the real run's to say
-        torch.manual_seed(0)
         net = build_recipe_model(recipe.model_copy(update={"peft": None}), vocab_size=vocab_size)
     if recipe.peft is None:
         return net

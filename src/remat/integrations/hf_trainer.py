@@ -85,16 +85,17 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     # Everything that can be refused is refused before the Trainer or its model is changed.
     planned: ActivationPlan | None = None
     adapter: PlanAdapter | None = None
-    if isinstance(policy, str) and policy.strip().lower() == "auto":
-        planned, adapter = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss, seq_length=seq_length,
-                                     target=target)
-    elif memory_budget is not None:
-        raise ConfigError(f"memory_budget: given with policy {policy!r}; a budget is planned for with policy='auto' "
-                          "only")
-    else:
-        parse_policy(policy, key="policy")
-    if loss == "fused":
-        verify_output_head(base)
+    with _leaving_no_trace(base):
+        if isinstance(policy, str) and policy.strip().lower() == "auto":
+            planned, adapter = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss,
+                                         seq_length=seq_length, target=target)
+        elif memory_budget is not None:
+            raise ConfigError(f"memory_budget: given with policy {policy!r}; a budget is planned for with "
+                              "policy='auto' only")
+        else:
+            parse_policy(policy, key="policy")
+        if loss == "fused":
+            verify_output_head(base)
     _hf_checkpointing_off(trainer, model)
     if loss == "fused":
         use_fused_loss(base)
@@ -107,6 +108,20 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     if adapter is not None:
         _replan_out_of_memory(trainer, model, adapter)
     return plan
+
+
+@contextlib.contextmanager
+def _leaving_no_trace(model: nn.Module) -> Any:
+    """Planning and the head probe leave the run as they found it: every random generator (torch CPU and CUDA,
+    numpy, random) and the model's train/eval mode are put back, so a prepared run draws the same data order and
+    dropout masks as the same run given the final plan by hand."""
+    rng = capture_rng_state()
+    training = model.training
+    try:
+        yield
+    finally:
+        restore_rng_state(rng)
+        model.train(training)
 
 
 def _log_with_memory(trainer: Any, callback: RematCallback) -> None:

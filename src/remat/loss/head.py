@@ -101,6 +101,10 @@ def _logit_multiplier(config: Any, text_config: Any) -> float:
 PROBE_TOKENS = 8
 PROBE_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.float64: 1e-6}
 LOW_PRECISION_TOLERANCE = 3e-2
+#: Relative difference accepted between the model's own probe loss and the next-token loss of the same logits, per
+#: dtype of the model's loss: both come from one set of logits, so only the order of the sum (or a loss computed in
+#: bf16/fp16, LOW_PRECISION_TOLERANCE) differs.
+LOSS_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-9}
 
 
 def verify_output_head(model: nn.Module) -> None:
@@ -138,6 +142,10 @@ def verify_output_head(model: nn.Module) -> None:
                     "loss_fn._target_: remat.loss.MaskedCrossEntropy")
             expected = model(input_ids=ids, use_cache=False).logits.float()
             rebuilt = _apply_head(hidden.float(), head)
+            # labels each position's own logits predict best one step later: the shifted and the unshifted
+            # conventions then give far apart losses, even from a freshly initialised model's near-uniform logits
+            labels = torch.cat([ids[:, :1], expected[:, :-1].argmax(-1)], dim=1)
+            own_loss = _own_loss(model, name, ids, labels)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 (any failure of the probe is said in one line, not a traceback)
@@ -157,6 +165,54 @@ def verify_output_head(model: nn.Module) -> None:
             f"as FusedLinearCrossEntropy would (relative difference {difference:.3g} on a probe of {PROBE_TOKENS} "
             f"tokens, allowed {tolerance:g}): its loss would differ from the model's own; allowed: loss_fn._target_: "
             "remat.loss.MaskedCrossEntropy for this model")
+    _check_label_convention(name, labels, expected, own_loss)
+
+
+def _own_loss(model: nn.Module, name: str, ids: Tensor, labels: Tensor) -> Any:
+    """The model's own loss of ``labels`` on the probe; None when its forward takes no labels."""
+    try:
+        return getattr(model(input_ids=ids, labels=labels, use_cache=False), "loss", None)
+    except TypeError as err:
+        if "labels" in str(err):
+            return None
+        failure = err
+    except Exception as err:  # noqa: BLE001 (said in one line below)
+        failure = err
+    raise ConfigError(f"loss_fn: {name}: its own loss fails on a probe of {PROBE_TOKENS} tokens "
+                      f"({type(failure).__name__}: {' '.join(str(failure).split())[:200]}), so FusedLinearCrossEntropy "
+                      "cannot be checked to train the same objective; allowed: loss_fn._target_: "
+                      "remat.loss.MaskedCrossEntropy")
+
+
+def _check_label_convention(name: str, labels: Tensor, logits: Tensor, own_loss: Any) -> None:
+    """ConfigError when the model's own loss of ``labels`` is not the next-token loss of its own ``logits``.
+
+    # NOTE [ The loss, not only the logits ]
+    # Equal logits are not enough: the fused loss (like MaskedCrossEntropy and every causal LM built on
+    # transformers' ForCausalLMLoss) predicts token t+1 from position t, but a dozen decoders kept from
+    # encoder-decoder families (bart, marian, pegasus, whisper, xlnet, ...) compute their causal-LM loss on
+    # unshifted labels: their callers shift the labels before the call. Trained with the fused loss they would learn
+    # another objective. The probe already holds the model's own logits, so the model's own loss of the same call
+    # costs nothing more: it must equal the shifted cross-entropy of those logits (same logits, so only the sum's
+    # order differs, and the rounding of a loss summed in bf16), else the fused loss is refused.
+    """
+    if not isinstance(own_loss, Tensor) or own_loss.numel() != 1:
+        return  # a forward that computes no loss of its own: the fused loss is the only one there is
+    shifted = float(torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:]))
+    unshifted = float(torch.nn.functional.cross_entropy(logits[0], labels[0]))
+    value = float(own_loss)
+    tolerance = LOSS_TOLERANCE.get(own_loss.dtype, LOW_PRECISION_TOLERANCE)
+    close = tolerance * max(abs(shifted), 1.0)
+    if abs(value - shifted) <= close and (abs(value - shifted) < abs(value - unshifted)
+                                          or abs(shifted - unshifted) <= close):  # the probe cannot tell them apart
+        return
+    convention = ("its own loss does not shift the labels (it predicts each label at its own position)"
+                  if abs(value - unshifted) < abs(value - shifted)
+                  else "its own loss is not the next-token cross-entropy of its logits")
+    raise ConfigError(
+        f"loss_fn: {name}: {convention}, while FusedLinearCrossEntropy predicts token t+1 from position t (own loss "
+        f"{value:.6g}, next-token loss {shifted:.6g} on a probe of {PROBE_TOKENS} tokens): training would optimise "
+        "another objective; allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy for this model")
 
 
 def _apply_head(hidden: Tensor, head: OutputHead) -> Tensor:
