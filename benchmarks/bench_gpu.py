@@ -38,6 +38,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -63,6 +64,9 @@ TORCH_SAC_ROW = "torch create_selective_checkpoint_contexts (TorchTitan-like ops
 #: (label, what to apply): a remat policy, None for transformers' checkpointing, TORCH_SAC for torch's.
 ROWS: tuple[tuple[str, Any], ...] = (*POLICIES, (TORCH_SAC_ROW, TORCH_SAC))
 LOSSES = ("plain", "fused")
+#: --losses also takes the fused loss with one backend forced ("fused:torch", "fused:liger", "fused:cce"): the step's
+#: time with each, side by side (plain "fused" is the default backend choice).
+FUSED_BACKENDS = ("torch", "liger", "cce")
 GIB = 2**30
 #: --long-context rows: (label, remat policy), each with the fused loss.
 LONG_ROWS: tuple[tuple[str, Any], ...] = (
@@ -158,8 +162,9 @@ def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: 
     """Build the step of one row, warm up, measure the peak, then time ``args.steps`` steps."""
     result = Result(label=label, loss=loss, tokens_per_step=args.batch * args.seq)
     remat_policy = "none" if what is None or what == TORCH_SAC else what
+    loss_name, _, backend = loss.partition(":")
     settings = StepSettings(batch_size=args.batch, seq_length=args.seq, dtype=args.dtype, policy=remat_policy,
-                            loss=loss, target=device.type)
+                            loss=loss_name, loss_kwargs={"backend": backend} if backend else {}, target=device.type)
     step: RealStep | None = None
     try:
         step = build_step(args.preset, settings, device)
@@ -177,7 +182,7 @@ def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: 
             step.run()
             _synchronize(device)
             result.step_seconds.append(time.perf_counter() - start)
-        if loss == LOSSES[0] and _profiled(label, args.profile):
+        if loss == args.losses[0] and _profiled(label, args.profile):
             result.profile = _profile_step(step, device)
     except (torch.cuda.OutOfMemoryError, CheckpointingError, ConfigError) as err:
         result.error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
@@ -201,10 +206,18 @@ def _profile_step(step: RealStep, device: torch.device) -> str:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _synchronize(device)
+    start = time.perf_counter()
     with profile(activities=activities) as profiler:
         step.run()
         _synchronize(device)
-    return str(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    wall = time.perf_counter() - start
+    averages = profiler.key_averages()
+    tables = [f"step under the profiler: {wall:.3f} s wall; "
+              f"{sum(e.count for e in averages):,} op calls", "",
+              "by self CPU time:", averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if device.type == "cuda":
+        tables += ["by self CUDA time:", averages.table(sort_by="self_device_time_total", row_limit=25)]
+    return "\n".join(str(t) for t in tables)
 
 
 def run(args: argparse.Namespace, device: torch.device,
@@ -212,7 +225,9 @@ def run(args: argparse.Namespace, device: torch.device,
     """Every row with every loss, one after the other."""
     results = []
     for label, what in ROWS:
-        for loss in LOSSES:
+        if args.rows and label not in args.rows and not (what == TORCH_SAC and TORCH_SAC in args.rows):
+            continue
+        for loss in args.losses:
             results.append(measure(label, what, loss, args, device))
             report(results[-1])
     return results
@@ -295,7 +310,8 @@ def render_markdown(results: Sequence[Result], meta: dict[str, Any]) -> str:
                      f"{_fmt(peak_ratio, '.2f')} | {_fmt(r.median_seconds, '.3f')} | {_fmt(time_ratio, '.2f')} | "
                      f"{_fmt(r.tokens_per_second, ',.0f')} |")
     lines += ["", "Plans:", ""]
-    lines += [f"- `{r.label}` ({r.loss}): {r.plan}" for r in results if r.loss == LOSSES[0]]
+    first = results[0].loss if results else None
+    lines += [f"- `{r.label}` ({r.loss}): {r.plan}" for r in results if r.loss == first]
     return "\n".join(lines) + "\n"
 
 
@@ -313,7 +329,7 @@ def write(results: Sequence[Result], meta: dict[str, Any], out: Path, *, long_co
     profiled = [r for r in results if r.profile]
     if profiled:
         lines = [f"# One step under torch.profiler on {meta['device']}", "", f"torch {meta['torch']}; "
-                 f"{meta['preset']}, batch {meta['batch']} x {meta['seq']}, {meta['dtype']}; the plain loss.", ""]
+                 f"{meta['preset']}, batch {meta['batch']} x {meta['seq']}, {meta['dtype']}; loss {profiled[0].loss}.", ""]
         for r in profiled:
             lines += [f"## {r.label}", "", "```", r.profile or "", "```", ""]
         (out / f"gpu_profile_{slug}.md").write_text("\n".join(lines))
@@ -345,7 +361,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="after a row's timed steps, run one more under torch.profiler and write its table to "
                              "gpu_profile_<device>.md: row labels, comma-separated (torch-sac for torch's own "
                              "selective row), e.g. selective,torch-sac; the plain loss's rows")
+    parser.add_argument("--rows", type=lambda text: [x.strip() for x in text.split(";") if x.strip()], default=[],
+                        metavar="ROWS", help="only these rows: labels separated by ';' (torch-sac for torch's own "
+                                             "selective row); default every row")
+    parser.add_argument("--losses", type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+                        default=list(LOSSES), metavar="LOSSES",
+                        help="comma-separated: plain, fused, or fused:BACKEND (" + ", ".join(FUSED_BACKENDS) +
+                             ") to force one fused-loss backend; default plain,fused")
     args = parser.parse_args(argv)
+    allowed_losses = {*LOSSES, *(f"fused:{b}" for b in FUSED_BACKENDS)}
+    if not args.losses or set(args.losses) - allowed_losses:
+        parser.error(f"--losses: got {','.join(args.losses)!r}; allowed: comma-separated "
+                     f"{', '.join(sorted(allowed_losses))}")
+    unknown = sorted(set(args.rows) - {label for label, _ in ROWS} - {TORCH_SAC})
+    if unknown:
+        parser.error(f"--rows: {', '.join(unknown)} is not a row; allowed: "
+                     f"{'; '.join(label for label, _ in ROWS)}; {TORCH_SAC}")
     unknown = sorted(set(args.profile) - {label for label, _ in ROWS} - {TORCH_SAC})
     if unknown:
         parser.error(f"--profile: {', '.join(unknown)} is not a row; allowed: "
@@ -362,6 +393,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("remat.loss").setLevel(logging.INFO)  # which fused-loss backend ran, and its measured times
     if not args.check_on_cpu and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False); this benchmark measures on a "
               "GPU. Nothing was run (--check-on-cpu runs the same code on the CPU).", file=sys.stderr)

@@ -58,6 +58,23 @@ def test_a_row_to_profile_that_does_not_exist_is_one_line(monkeypatch: pytest.Mo
     assert "--profile: selectiv is not a row; allowed: none, full, selective" in capsys.readouterr().err
 
 
+def test_chosen_rows_with_a_forced_loss_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--rows and --losses: only the rows named, with the fused loss's backend forced (the step's time with each
+    backend, side by side); a name that is neither is one line naming what is allowed."""
+    bench = _bench(monkeypatch)
+    assert bench.main(["--check-on-cpu", "--batch", "2", "--seq", "32", "--warmup", "0", "--steps", "1",
+                       "--rows", "none;torch-sac", "--losses", "plain,fused:torch", "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("gpu_policies_*.json")
+    rows = [(row["label"], row["loss"]) for row in json.loads(json_path.read_text())["rows"]]
+    assert rows == [(label, loss) for label in ("none", bench.TORCH_SAC_ROW) for loss in ("plain", "fused:torch")]
+    for argv, message in ((["--rows", "nope"], "--rows: nope is not a row; allowed: none; full;"),
+                          (["--losses", "fused:triton"], "--losses: got 'fused:triton'; allowed: comma-separated")):
+        with pytest.raises(SystemExit):
+            bench.main(["--check-on-cpu", *argv])
+        assert message in capsys.readouterr().err
+
+
 def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     bench = _bench(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import types
 
 import pytest
@@ -51,8 +52,10 @@ def installed(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.setitem(sys.modules, backends.KERNELS[name][0], None)
         return kernels
 
+    backends._measured.clear()
     yield install
     backends._announced.clear()
+    backends._measured.clear()
 
 
 def test_torch_and_cpu_always_run_the_pure_pytorch_path(installed) -> None:
@@ -63,7 +66,8 @@ def test_torch_and_cpu_always_run_the_pure_pytorch_path(installed) -> None:
 
 
 @pytest.mark.parametrize(("present", "expected"), [(("cce", "liger"), "cce"), (("liger",), "liger"), ((), "torch")])
-def test_auto_on_cuda_prefers_cce_then_liger_then_torch(installed, present, expected) -> None:
+def test_select_backend_auto_takes_the_first_usable_kernel(installed, present, expected) -> None:
+    """(The fused loss itself decides "auto" by measurement: the tests below.)"""
     installed(*present)
     assert select_backend("auto", CUDA) == expected
 
@@ -148,3 +152,105 @@ def test_a_bias_reaches_liger_and_never_cce(installed, monkeypatch) -> None:
 def test_unknown_backend_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"loss_fn.backend: got 'triton'; allowed: 'auto', 'torch', 'cce', 'liger'"):
         FusedLinearCrossEntropy(backend="triton")
+
+
+@pytest.fixture
+def kernels_on_the_cpu(installed, monkeypatch):
+    """The fake kernels made usable on the CPU (the real ones are CUDA-only), each slowed by a given sleep, and
+    remat's own path slowed likewise: the measured choice then has a known answer."""
+
+    def install(delays: dict[str, float]) -> dict[str, FakeKernel]:
+        kernels = installed(*(name for name in delays if name != "torch"))
+        monkeypatch.setattr(backends, "_why_not", lambda name, device, request: (
+            None if name in kernels else "not installed"))
+        for name, kernel in kernels.items():
+            original = kernel.__call__
+
+            def slow(hidden, weight, targets, _original=original, _delay=delays[name], **kwargs):
+                time.sleep(_delay)
+                return _original(hidden, weight, targets, **kwargs)
+
+            monkeypatch.setattr(kernel, "__call__", slow, raising=False)
+            kernels[name] = _Slowed(kernel, slow)
+        torch_loss = FusedLinearCrossEntropy._torch_loss
+
+        def slow_torch(self, *args, **kwargs):
+            time.sleep(delays.get("torch", 0.0))
+            return torch_loss(self, *args, **kwargs)
+
+        monkeypatch.setattr(FusedLinearCrossEntropy, "_torch_loss", slow_torch)
+        for name, kernel in kernels.items():
+            module_name, function_name = backends.KERNELS[name]
+            monkeypatch.setattr(sys.modules[module_name], function_name, kernel)
+        return kernels
+
+    return install
+
+
+class _Slowed:
+    """A FakeKernel called through a slowed function (its calls still recorded)."""
+
+    def __init__(self, kernel: FakeKernel, call) -> None:
+        self.kernel, self.call = kernel, call
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.kernel.calls
+
+    def __call__(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
+def _inputs(requires_grad: bool = True):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 6, 4, requires_grad=requires_grad)
+    weight = torch.randn(11, 4, requires_grad=True)
+    return hidden, weight, torch.randint(0, 11, (2, 6))
+
+
+def test_auto_runs_the_fastest_measured_backend_once_per_shape_and_says_so(kernels_on_the_cpu, caplog) -> None:
+    kernels = kernels_on_the_cpu({"cce": 0.03, "liger": 0.0, "torch": 0.01})
+    hidden, weight, labels = _inputs()
+    loss_fn = FusedLinearCrossEntropy()
+    with caplog.at_level(logging.INFO, logger="remat.loss"):
+        loss = loss_fn(hidden, weight, labels)
+    timed = 1 + backends.TIMED_CALLS  # a warm-up and the timed calls
+    assert len(kernels["cce"].calls) == timed and len(kernels["liger"].calls) == timed + 1  # + the real call
+    torch.testing.assert_close(loss.double(), reference_loss(hidden, weight, labels))
+    loss.backward()  # the timing's gradients went elsewhere: these are the real call's alone
+    assert hidden.grad is not None and weight.grad is not None
+    line = next(r.getMessage() for r in caplog.records if "fastest measured" in r.getMessage())
+    assert line.startswith("FusedLinearCrossEntropy: backend 'liger' on cpu for device cpu, dtype float32, hidden 4, "
+                           "vocab 11, bias False, softcap None, tokens up to 16, the fastest measured (liger ")
+    assert "cce" in line and "torch" in line
+    loss_fn(*_inputs())  # the same shape again: no more timing
+    assert len(kernels["cce"].calls) == timed and len(kernels["liger"].calls) == timed + 2
+    assert list(backends.measured_backends().values()) == ["liger"]
+
+
+def test_remat_s_own_path_wins_a_tie(kernels_on_the_cpu) -> None:
+    kernels = kernels_on_the_cpu({"liger": 0.02, "torch": 0.02})
+    FusedLinearCrossEntropy()(*_inputs())
+    assert len(kernels["liger"].calls) == 1 + backends.TIMED_CALLS  # timed, then not chosen
+    assert list(backends.measured_backends().values()) == ["torch"]
+
+
+def test_a_kernel_that_fails_its_timing_is_not_chosen(kernels_on_the_cpu, caplog) -> None:
+    kernels = kernels_on_the_cpu({"liger": 0.0, "torch": 0.01})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("triton: out of resources")
+
+    kernels["liger"].call = broken
+    with caplog.at_level(logging.INFO, logger="remat.loss"):
+        loss = FusedLinearCrossEntropy()(*_inputs())
+    assert torch.isfinite(loss) and list(backends.measured_backends().values()) == ["torch"]
+    assert any("backend 'liger' failed its timing on cpu (RuntimeError: triton: out of resources); not used"
+               in r.getMessage() for r in caplog.records)
+
+
+def test_a_call_without_gradients_is_not_timed_and_runs_remat_s_own_path(kernels_on_the_cpu) -> None:
+    kernels = kernels_on_the_cpu({"liger": 0.0, "torch": 0.01})
+    with torch.no_grad():
+        FusedLinearCrossEntropy()(*_inputs(requires_grad=False))
+    assert kernels["liger"].calls == [] and backends.measured_backends() == {}

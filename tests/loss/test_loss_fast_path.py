@@ -188,6 +188,32 @@ def test_compiled_on_the_cpu_equals_the_eager_math_and_does_not_recompile_for_a_
     assert compiled.compile_available(CPU)
 
 
+@pytest.mark.slow
+def test_a_training_run_whose_label_count_changes_every_step_compiles_twice_and_never_again(tmp_path,
+                                                                                           monkeypatch) -> None:
+    """Packed rows give each step another number of label tokens, so the last chunk's shape changes every step: the
+    compiled chunk math compiles for the first shape and once more with that size dynamic, then never again (no
+    recompile per step), in 6 steps."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    math = CompiledChunkMath()
+    monkeypatch.setattr(chunked, "CHUNK_MATH", math)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    torch.manual_seed(0)
+    weight = torch.randn(300, 16, requires_grad=True)
+    fused = FusedLinearCrossEntropy(chunk_size=32, compile=True)
+    graphs = []
+    for step in range(6):
+        hidden = torch.randn(2, 40, 16, requires_grad=True)
+        labels = torch.randint(0, 300, (2, 40))
+        labels[:, : 3 + 2 * step] = -100  # another label count each step
+        fused(hidden, weight, labels).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert math.failed is None
+    assert graphs[1] <= 2 and graphs[-1] == graphs[1], graphs
+    assert not counters["recompiles"] or sum(counters["recompiles"].values()) <= 1, dict(counters["recompiles"])
+
+
 def test_under_fake_tensors_the_fast_path_allocates_like_the_kernel_and_never_compiles(monkeypatch) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -88,24 +90,108 @@ def kernel_refusal(name: str, request: KernelRequest) -> str | None:
 
 
 def select_backend(requested: Backend, device: torch.device, request: KernelRequest | None = None) -> str:
-    """The backend that will run: a requested kernel on CUDA if it imports and can do ``request``, else torch.
-
-    "auto" tries cce, then liger, then torch. ``request`` None means a plain bf16 call without bias or soft-cap.
-    """
+    """The backend that will run a call that names one: the requested kernel on CUDA if it imports and can do
+    ``request``, else torch. ``"auto"`` here means the first usable kernel (cce, then liger), else torch; the fused
+    loss itself decides ``"auto"`` by measurement (`fastest_backend`). ``request`` None means a plain bf16 call
+    without bias or soft-cap."""
     if requested == "torch":
         return "torch"
     request = request or KernelRequest(torch.bfloat16, bias=False, softcap=None, hidden_needs_grad=True)
-    candidates = tuple(KERNELS) if requested == "auto" else (requested,)
+    usable, skipped = usable_kernels(tuple(KERNELS) if requested == "auto" else (requested,), device, request)
+    chosen = usable[0] if usable else "torch"
+    _announce(requested, device, chosen, skipped)
+    return chosen
+
+
+def usable_kernels(names: tuple[str, ...], device: torch.device,
+                   request: KernelRequest) -> tuple[list[str], tuple[str, ...]]:
+    """The kernel backends among ``names`` that can run ``request`` on ``device``, and why each other one cannot."""
+    usable: list[str] = []
     skipped: list[str] = []
-    chosen = "torch"
-    for name in candidates:
+    for name in names:
         why = _why_not(name, device, request)
         if why is None:
-            chosen = name
-            break
-        skipped.append(f"{name}: {why}")
-    _announce(requested, device, chosen, tuple(skipped))
+            usable.append(name)
+        else:
+            skipped.append(f"{name}: {why}")
+    return usable, tuple(skipped)
+
+
+# NOTE [ The fused loss's backend is measured, not ranked ]
+# Which fused loss is fastest depends on the GPU, the vocabulary, the hidden size and the number of tokens: on an
+# H200 remat's compiled path took 0.36x cut-cross-entropy's time at every size and liger-kernel's was 1.9x slower at 4k
+# tokens but 0.82x at 64k; in the seed step on an H100, cce made the step 29% slower than remat's path and liger was
+# level with it without checkpointing and 5% faster under full checkpointing (benchmarks/results/loss_cuda.md,
+# gpu_loss_backends_*.md). A fixed order cannot be right everywhere, so under "auto" the first call of each shape
+# runs every usable backend on that call's own tensors (detached copies of nothing: the same storage, gradients to
+# throw away), one warm-up and three timed calls each, and keeps the fastest for the process; remat's own path wins
+# ties within TIE_MARGIN, being the one whose gradients the suite checks on every architecture. The choice and the
+# times are logged once at INFO. The timing costs a few loss calls once per shape, never inside a graph capture or
+# a compiled region, and no more memory than the loss call itself (one backend at a time, its gradients freed).
+
+#: Timed calls per backend after one warm-up (which compiles, autotunes and fills caches).
+TIMED_CALLS = 3
+#: remat's own path ("torch") is kept unless another backend is faster by more than this fraction.
+TIE_MARGIN = 0.02
+
+_measured: dict[tuple[Any, ...], str] = {}
+
+
+def fastest_backend(key: tuple[Any, ...], candidates: list[str], run: Callable[[str], None],
+                    device: torch.device, *, measurable: bool = True) -> str:
+    """The fastest of ``candidates`` ("torch" among them) for calls of ``key`` (the device, dtypes and shapes that
+    decide speed): measured once by ``run(name)`` (one forward and backward of that backend) and remembered for the
+    process. When nothing was measured yet and ``measurable`` is False (no gradients, a graph capture, a compiled
+    region), "torch" without remembering."""
+    if len(candidates) == 1:
+        return candidates[0]
+    if key in _measured:
+        return _measured[key]
+    if not measurable:
+        return "torch"
+    seconds: dict[str, float] = {}
+    for name in candidates:
+        try:
+            seconds[name] = _median_seconds(lambda: run(name), device)
+        except Exception as error:  # noqa: BLE001 (a kernel that fails on this call is not chosen; torch re-raises)
+            if name == "torch":
+                raise
+            logger.info("FusedLinearCrossEntropy: backend %r failed its timing on %s (%s: %s); not used",
+                        name, device.type, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+    fastest = min(seconds, key=seconds.__getitem__)
+    chosen = "torch" if seconds.get("torch", float("inf")) <= seconds[fastest] * (1 + TIE_MARGIN) else fastest
+    _measured[key] = chosen
+    logger.info("FusedLinearCrossEntropy: backend %r on %s for %s, the fastest measured (%s)", chosen, device.type,
+                _describe_key(key), ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in sorted(seconds.items(),
+                                                                                           key=lambda kv: kv[1])))
     return chosen
+
+
+def measured_backends() -> dict[tuple[Any, ...], str]:
+    """What `fastest_backend` chose in this process, by key (a copy)."""
+    return dict(_measured)
+
+
+def _median_seconds(call: Callable[[], None], device: torch.device) -> float:
+    call()  # warm-up: compiles, autotunes
+    times = []
+    for _ in range(TIMED_CALLS):
+        _synchronize(device)
+        start = time.perf_counter()
+        call()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _describe_key(key: tuple[Any, ...]) -> str:
+    names = ("device", "dtype", "hidden", "vocab", "bias", "softcap", "tokens up to")
+    return ", ".join(f"{name} {value}" for name, value in zip(names, key, strict=False))
 
 
 def _why_not(name: str, device: torch.device, request: KernelRequest) -> str | None:

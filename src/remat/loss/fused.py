@@ -12,7 +12,16 @@ from torch import Tensor
 
 from remat.arguments import checked_keywords
 from remat.errors import ConfigError
-from remat.loss.backends import Backend, KernelRequest, check_backend, kernel_loss_sum, select_backend
+from remat.loss.backends import (
+    KERNELS,
+    Backend,
+    KernelRequest,
+    check_backend,
+    fastest_backend,
+    kernel_loss_sum,
+    select_backend,
+    usable_kernels,
+)
 from remat.loss.chunked import ChunkedLinearCrossEntropy, ChunkSettings, GradStrategy, plan_chunks
 from remat.loss.contract import LossInput
 from remat.loss.targets import (
@@ -43,7 +52,8 @@ class FusedLinearCrossEntropy:
         grad_strategy: "auto", "forward" (gradients computed in forward, 3 matmuls) or "recompute" (logits
             recomputed in backward, 4 matmuls, no fp32 weight-gradient accumulator); see :mod:`remat.loss.chunked`.
         chunk_bytes: working-memory target of one chunk, in bytes; None: 64 MiB eager, 256 MiB on the fast path.
-        backend: "auto" (a CUDA kernel package if importable and able to do the call, else "torch"), "torch",
+        backend: "auto" (on CUDA, the fastest of "torch" and the kernel packages that import and can do the call,
+            measured on the first call of each shape; see :func:`remat.loss.backends.fastest_backend`), "torch",
             "cce" or "liger".
         compile: the torch backend's fast path (chunk math compiled with ``torch.compile``, "forward" strategy,
             weight gradient accumulated in the weight's dtype); None: on CUDA tensors only.
@@ -125,15 +135,19 @@ class FusedLinearCrossEntropy:
 
         request = KernelRequest(flat.dtype, bias is not None, self.logit_softcap,
                                 hidden.requires_grad and torch.is_grad_enabled())
-        backend = select_backend(self.backend, flat.device, request)
+        backend = self._backend(flat, weight, bias, targets, rows, request)
         if backend != "torch":
             total = kernel_loss_sum(backend, flat, weight, targets, bias, self.ignore_index, self.logit_softcap)
             return total.float() / divisor
+        return self._torch_loss(flat, weight, bias, targets, rows, 1.0 / divisor)
 
+    def _torch_loss(self, flat: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, rows: Tensor,
+                    scale: float) -> Tensor:
+        """remat's own chunked path (compiled on CUDA): ``scale`` times the summed loss of ``rows``."""
         plan = plan_chunks(flat.device, weight, rows.numel(), self.logit_softcap, self.grad_strategy, self.compile,
                            self.chunk_size, self.chunk_bytes)
         settings = ChunkSettings(
-            scale=1.0 / divisor,
+            scale=scale,
             softcap=self.logit_softcap,
             token_chunk=plan.token_chunk,
             strategy=plan.strategy,
@@ -144,6 +158,36 @@ class FusedLinearCrossEntropy:
         with _autocast_off(flat.device):
             loss: Tensor = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, rows, settings)
         return loss
+
+    def _backend(self, flat: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, rows: Tensor,
+                 request: KernelRequest) -> str:
+        """The backend of this call: the one named, or under "auto" the fastest measured for this call's shape
+        (NOTE [ The fused loss's backend is measured, not ranked ] in remat.loss.backends)."""
+        if self.backend != "auto":
+            return select_backend(self.backend, flat.device, request)
+        usable, _ = usable_kernels(tuple(KERNELS), flat.device, request)
+        if not usable:  # the CPU, or no kernel package that imports and can do the call
+            return select_backend(self.backend, flat.device, request)
+        cuda = flat.device.type == "cuda"
+        tokens = 1 << max(int(rows.numel()) - 1, 0).bit_length()  # a power-of-two bucket: one timing per size class
+        key = (torch.cuda.get_device_name(flat.device) if cuda else flat.device.type, str(flat.dtype).split(".")[-1],
+               flat.shape[-1], weight.shape[0], bias is not None, self.logit_softcap, tokens)
+        measurable = (request.hidden_needs_grad and not torch.compiler.is_compiling()
+                      and not (cuda and torch.cuda.is_current_stream_capturing()))
+
+        def run(name: str) -> None:
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (flat, weight)]
+            inputs.append(bias.detach().requires_grad_(bias.requires_grad) if bias is not None else None)
+            with torch.enable_grad():
+                if name == "torch":
+                    loss = self._torch_loss(inputs[0], inputs[1], inputs[2], targets, rows, 1.0)
+                else:
+                    loss = kernel_loss_sum(name, inputs[0], inputs[1], targets, inputs[2], self.ignore_index,
+                                           self.logit_softcap)
+                differentiable = [t for t in inputs if t is not None and t.requires_grad]
+                torch.autograd.grad(loss.float(), differentiable)
+
+        return fastest_backend(key, [*usable, "torch"], run, flat.device, measurable=measurable)
 
 
 def _gathered(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
