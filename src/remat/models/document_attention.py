@@ -35,17 +35,20 @@ the previous one plus one, and at the start of every row.
   any other mask (left padding, holes) with a `ConfigError` before the model runs. With right padding the documents
   stay apart; transformers' own path, given any 2-D mask, stops looking for packed documents and lets them attend to
   each other (the recipe drops right-padding masks before the model runs, so its packed rows never reach that).
+- **No cuDNN attention** for the per-document calls on CUDA: it builds a plan per new length (NOTE [ No cuDNN
+  attention per document ]).
 - CUDA's ``torch.nn.attention.varlen.varlen_attn`` (one kernel call for all documents) is not used: its signature
   differs between torch versions and it cannot be tested without a GPU; the per-document loop runs everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -223,6 +226,39 @@ def _document_attention(kernel: Kernel, eager: bool, module: nn.Module, query: t
     if not getattr(module, "is_causal", True):
         raise RematError(f"document attention: {type(module).__name__} is not causal; use "
                          "model.document_attention: false for this model")
+    with _without_cudnn_attention(query.device, eager):
+        return _documents_attended(kernel, eager, module, query, key, value, **kwargs)
+
+
+# NOTE [ No cuDNN attention per document ]
+# Each packed document is its own SDPA call, of its own length, and packed rows bring new lengths every step. On CUDA,
+# torch picks cuDNN's attention first where it can (torch 2.11, H100, bf16), and cuDNN builds and caches an
+# execution plan per new shape: measured on an H100 with the seed recipe (Llama-3.2-1B, 8 packed rows of 2048
+# tokens, full checkpointing), steps took 2.6 s instead of 0.45 s for as long as new lengths kept coming, which in
+# real data is the whole run (benchmarks/results/gpu_acceptance_nvidia_h100_80gb_hbm3.md). Flash and memory-efficient
+# attention take any length with no per-shape plan, so the per-document calls run with cuDNN's attention left out
+# (the other backends as the user has them enabled; nothing changes when cuDNN is the only one enabled).
+@contextlib.contextmanager
+def _without_cudnn_attention(device: torch.device, eager: bool) -> Iterator[None]:
+    if eager or device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enabled = [backend for backend, on in ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+                                           (SDPBackend.EFFICIENT_ATTENTION,
+                                            torch.backends.cuda.mem_efficient_sdp_enabled()),
+                                           (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled())) if on]
+    if not enabled:
+        yield
+        return
+    with sdpa_kernel(enabled):
+        yield
+
+
+def _documents_attended(kernel: Kernel, eager: bool, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    batch, _, length, _ = query.shape
     masks = _Masks(eager, kwargs.pop("sliding_window", None), query.dtype, query.device)
     kwargs.pop("is_causal", None)
     documents = documents_of(kwargs.get("position_ids"), batch, length)
