@@ -96,7 +96,8 @@ def test_the_trainers_own_checkpointing_is_switched_off_and_a_second_call_refuse
     with caplog.at_level(logging.INFO, logger="remat"):
         remat.prepare_trainer(trainer, "full")
     assert trainer.args.gradient_checkpointing is False
-    assert any("TrainingArguments.gradient_checkpointing switched off" in r.message for r in caplog.records)
+    assert any("TrainingArguments.gradient_checkpointing switched off" in r.message and r.levelno == logging.WARNING
+               for r in caplog.records)  # said where the Trainer's default logging shows it
     on_the_model = _trainer(tmp_path / "m")
     on_the_model.model.gradient_checkpointing_enable()
     with caplog.at_level(logging.INFO, logger="remat"):
@@ -106,6 +107,11 @@ def test_the_trainers_own_checkpointing_is_switched_off_and_a_second_call_refuse
         remat.prepare_trainer(trainer, "full")
     with pytest.raises(ConfigError, match="loss: got 'liger'; allowed: keep, fused"):
         remat.prepare_trainer(_trainer(tmp_path / "b"), "full", loss="liger")
+    trained = _trainer(tmp_path / "t")
+    trained.train()
+    with pytest.raises(ConfigError, match=r"^prepare_trainer: this Trainer has trained 4 steps already; allowed: "
+                                          r"prepare_trainer before the first trainer.train\(\)"):
+        remat.prepare_trainer(trained, "full")
 
 
 def test_auto_plans_the_trainers_step_within_its_budget(tmp_path: Path) -> None:
@@ -265,3 +271,39 @@ def test_planning_auto_leaves_no_trace_on_the_run(reference: list[dict[str, Any]
     torch.manual_seed(0)  # where the Trainer left it, as in the reference run
     trainer.train()
     assert [(r["loss"], r["grad_norm"]) for r in _logged(trainer)] == [(r["loss"], r["grad_norm"]) for r in reference]
+
+
+def test_memory_the_planner_cannot_see_is_caught_after_the_first_step_and_re_planned_within_the_budget(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """NOTE [ The plan is checked against the first step ]: a step that holds memory no estimate models (here a hook
+    that keeps a tensor through every step) peaks over the prediction; after step 2 (AdamW's first step with its
+    state, the step the prediction is of) the plan is re-planned with the measured excess, and every later step fits
+    the budget."""
+    trainer = _trainer(tmp_path)
+    budget = _budget_near_none(trainer)
+    none, full = (remat.estimate_memory(trainer.model.config, batch_size=2, seq_length=LENGTH, target="cpu",
+                                        policy=policy, grad_accumulation=2).peak_bytes for policy in ("none", "full"))
+    hidden_elements = (none - full) // 3 // 4  # a third of what checkpointing everything saves, in float32
+    embedding = trainer.model.get_input_embeddings()
+    embedding.register_forward_hook(lambda module, args, out: setattr(module, "held", torch.ones(hidden_elements)))
+    plan = remat.prepare_trainer(trainer, "auto", memory_budget=budget, target="cpu")
+    with caplog.at_level(logging.WARNING, logger="remat.integrations.hf_trainer"):
+        trainer.train()
+    (line,) = [r.getMessage() for r in caplog.records if "over the predicted" in r.getMessage()]
+    assert line.startswith("remat: step 2 peaked at ") and "the trainer's step holds memory the planner does not " \
+        "model; re-planned " in line and line.endswith("before step 3")
+    peaks = [r["peak_mem_gib"] * 2**30 for r in _logged(trainer)]
+    assert peaks[1] > plan.peak_bytes * 1.05 and peaks[1] > budget
+    assert all(peak <= budget * 1.0001 for peak in peaks[2:]), (peaks, budget)
+
+
+def test_a_first_step_as_predicted_keeps_the_plan_and_says_so_at_info(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    trainer = _trainer(tmp_path)
+    budget = _budget_near_none(trainer)
+    remat.prepare_trainer(trainer, "auto", memory_budget=budget, target="cpu", log_memory=False)
+    with caplog.at_level(logging.INFO, logger="remat.integrations.hf_trainer"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "peaked at" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("remat: step 2 peaked at ") and "predicted" in lines[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -41,7 +41,8 @@ from remat.planner import ActivationPlan
 from remat.planner.adapt.adapter import PlanAdapter
 from remat.planner.api import planner_for_model
 from remat.planner.spelling import TRAINER
-from remat.recipes.adaptation.retry import OUT_OF_MEMORY, Overshoot
+from remat.planner.adapt.relaxing import forward_backward_peak
+from remat.recipes.adaptation.retry import OUT_OF_MEMORY, Overshoot, size
 from remat.training_state.layout import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     if any(isinstance(c, RematCallback) for c in trainer.callback_handler.callbacks):
         raise ConfigError("prepare_trainer: this Trainer is already prepared; call it once per Trainer (its model "
                           "is checkpointed already)")
+    if getattr(getattr(trainer, "state", None), "global_step", 0):
+        raise ConfigError(f"prepare_trainer: this Trainer has trained {trainer.state.global_step} steps already; "
+                          "allowed: prepare_trainer before the first trainer.train() (make a new Trainer to "
+                          "continue a run from its checkpoint)")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ConfigError("prepare_trainer: DeepSpeed is not supported yet (its ZeRO stages own the parameters remat "
                           "would plan for); allowed: no DeepSpeed, DDP, or FSDP through accelerate")
@@ -101,7 +106,8 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
         use_fused_loss(base)
     applied = apply_activation_checkpointing(model, planned if planned is not None else policy)
     plan: CheckpointPlan | ActivationPlan = planned if planned is not None else applied
-    callback = RematCallback(plan, log_memory=log_memory)
+    callback = RematCallback(plan, log_memory=log_memory,
+                             first_step_check=FirstStepCheck(model, adapter) if adapter is not None else None)
     trainer.add_callback(callback)
     if log_memory:
         _log_with_memory(trainer, callback)
@@ -250,34 +256,96 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class RematCallback(TrainerCallback):
-    """Measures each step's peak memory (read by the Trainer's ``log``: `_log_with_memory`) and says the plan once at
-    the start."""
+#: How far the first step's measured peak may exceed the plan's prediction before `FirstStepCheck` re-plans.
+FIRST_STEP_TOLERANCE = 0.05
 
-    def __init__(self, plan: CheckpointPlan | ActivationPlan, *, log_memory: bool = True) -> None:
+
+class FirstStepCheck:
+    """The plan of ``auto`` held against the measured peak of the first step the prediction is of (`RematCallback`
+    runs it once).
+
+    # NOTE [ The plan is checked against the first step ]
+    # The planner predicts the step it can model; a trainer may run another (a loss path of its own, a collator's
+    # shapes, hooks that hold tensors), and on a GPU that is an out-of-memory error on a budget remat said fits.
+    # The first step whose optimizer already holds its state (step 2 under AdamW, whose state the first update
+    # creates after that step's peak; step 1 under a stateless optimizer) is the step the prediction is of: its
+    # measured peak (the CUDA allocator's, or the exact tracked peak on the CPU) is compared with the prediction.
+    # More than FIRST_STEP_TOLERANCE over it, or over the budget, re-plans before the next step, as the
+    # out-of-memory path does, with the measured excess taken off the planning budget (the
+    # memory the planner cannot see is taken to be there in every step); where no plan fits that, or several
+    # processes run (each would re-plan alone), one WARNING line says by how much and why, and the plan stays.
+    """
+
+    def __init__(self, model: nn.Module, adapter: PlanAdapter) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.done = False
+
+    def __call__(self, step: int, measured: int, world_size: int) -> None:
+        self.done = True
+        estimate = self.adapter.planner.estimate(self.adapter.policy)
+        predicted, budget = estimate.peak_bytes, self.adapter.budget_bytes
+        excess = measured - predicted
+        if measured <= predicted * (1 + FIRST_STEP_TOLERANCE) and measured <= budget:
+            logger.info("remat: step %d peaked at %s, predicted %s (budget %s)", step, size(measured),
+                        size(predicted), size(budget))
+            return
+        said = (f"remat: step {step} peaked at {size(measured)}, {size(excess)} ({excess / predicted:+.0%}) over the "
+                f"predicted {size(predicted)} under {self.adapter.policy.describe()} (budget {size(budget)}): the "
+                "trainer's step holds memory the planner does not model")
+        if world_size > 1:
+            logger.warning("%s; not re-planned: one of %d processes would change its plan alone", said, world_size)
+            return
+        overshoot = Overshoot(step=step, budget_bytes=budget, peak_bytes=forward_backward_peak(estimate) + excess)
+        try:
+            with _leaving_no_trace(self.model):
+                replan = self.adapter.replan(overshoot)
+        except ConfigError as err:
+            logger.warning("%s; not re-planned: %s", said, str(err).splitlines()[0])
+            return
+        remove_activation_checkpointing(self.model)
+        with planned_policy():
+            apply_activation_checkpointing(self.model, replan.policy)
+        logger.warning("%s; re-planned %s -> %s before step %d", said, replan.old, replan.new, step + 1)
+
+
+class RematCallback(TrainerCallback):
+    """Measures each step's peak memory (read by the Trainer's ``log``: `_log_with_memory`), says the plan once at
+    the start, and holds ``auto``'s plan against the first step (`FirstStepCheck`)."""
+
+    def __init__(self, plan: CheckpointPlan | ActivationPlan, *, log_memory: bool = True,
+                 first_step_check: FirstStepCheck | None = None) -> None:
         self.plan = plan
         self.log_memory = log_memory
+        self.first_step_check = first_step_check
         self.meter: StepMemoryMeter | None = None
         self._step = contextlib.ExitStack()
         self.peak_gib: float | None = None
         """The last step's peak memory in GiB (None before the first step ends)."""
+        self._began_with_state = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
             logger.info("remat: %s", self.plan.summary())
-        if self.log_memory:
+        if self.log_memory or self.first_step_check is not None:
             self.meter = StepMemoryMeter()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+        self._began_with_state = bool(getattr(inner, "state", None))
         if self.meter is not None:
-            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
             self._step.enter_context(self.meter.step(model=model, optimizer=inner))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.meter is not None:
             self._step.close()
             self.peak_gib = self.meter.last.peak_bytes / 2**30
+            check = self.first_step_check
+            if check is not None and not check.done and (self._began_with_state or state.global_step >= 2):
+                check(state.global_step, self.meter.last.peak_bytes, args.world_size)
+            if not self.log_memory and (check is None or check.done):
+                self.meter = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step.close()
@@ -306,18 +374,18 @@ def _hf_checkpointing_off(trainer: Any, model: nn.Module) -> None:
             if on:
                 setattr(args, name, False)
         if on:
-            logger.info("prepare_trainer: TrainingArguments.%s switched off: remat checkpoints the blocks instead "
-                        "(never both)", name)
+            logger.warning("prepare_trainer: TrainingArguments.%s switched off: remat checkpoints the blocks "
+                           "instead (never both)", name)
     plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
     if plugin is not None and getattr(plugin, "activation_checkpointing", False):
         plugin.activation_checkpointing = False
-        logger.info("prepare_trainer: FSDP's activation_checkpointing (fsdp_config) switched off: remat checkpoints "
-                    "the blocks instead (never both)")
+        logger.warning("prepare_trainer: FSDP's activation_checkpointing (fsdp_config) switched off: remat "
+                       "checkpoints the blocks instead (never both)")
     base = _base_model(model)
     if is_hf_checkpointing(base):
         disable_hf_checkpointing(base)
-        logger.info("prepare_trainer: the model's own activation checkpointing switched off: remat checkpoints the "
-                    "blocks instead (never both)")
+        logger.warning("prepare_trainer: the model's own activation checkpointing switched off: remat checkpoints "
+                       "the blocks instead (never both)")
 
 
 def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, seq_length: int | None,
