@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from tiny import tiny_causal_lm
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import remat
 from remat.checkpointing import is_checkpointed
@@ -307,3 +307,36 @@ def test_a_first_step_as_predicted_keeps_the_plan_and_says_so_at_info(tmp_path: 
     lines = [r.getMessage() for r in caplog.records if "peaked at" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("remat: step 2 peaked at ") and "predicted" in lines[0]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_auto_plans_the_lora_step_the_trainer_runs(tmp_path: Path) -> None:
+    """A PEFT LoRA model: the planned step is LoRA's (frozen base, adapters trained, AdamW over the adapters), not
+    the full fine-tune's: 1.5 MiB fits where the full fine-tune's smallest plan needs 2 MiB, and every step's exact
+    tracked peak is within 2% of the prediction."""
+    from remat.integrations.hf_trainer import RematCallback
+
+    budget = 3 * 2**19
+    with pytest.raises(ConfigError, match="nothing fits 1.50 MiB"):
+        remat.prepare_trainer(_trainer(tmp_path / "full"), "auto", memory_budget=budget, target="cpu")
+    trainer = _trainer(tmp_path / "lora", lora=True)
+    plan = remat.prepare_trainer(trainer, "auto", memory_budget=budget, target="cpu", log_memory=True)
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, RematCallback))
+    peaks: list[int] = []
+    trainer.add_callback(type("Peaks", (TrainerCallback,), {  # after remat's callback: its meter has the step
+        "on_step_end": lambda self, *a, **k: peaks.append(callback.meter.last.peak_bytes)})())
+    trainer.train()
+    assert plan.peak_bytes <= budget and len(peaks) == 4
+    assert all(abs(peak / plan.peak_bytes - 1) <= 0.02 for peak in peaks), (peaks, plan.peak_bytes)
+
+
+@pytest.mark.parametrize(("options", "refused"), [({"use_dora": True}, "use_dora"),
+                                                  ({"modules_to_save": ["lm_head"]}, "modules_to_save")])
+def test_lora_options_auto_cannot_model_are_refused_in_one_line(tmp_path: Path, options: dict[str, Any],
+                                                                  refused: str) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    trainer = _trainer(tmp_path)
+    trainer.model = get_peft_model(trainer.model, LoraConfig(r=4, target_modules=["q_proj"], **options))
+    with pytest.raises(ConfigError, match=rf"^prepare_trainer: policy='auto' cannot model LoRA adapter 'default' "
+                                          rf"with {refused}; allowed: plain LoRA"):
+        remat.prepare_trainer(trainer, "auto", memory_budget="1GiB", target="cpu")

@@ -313,3 +313,21 @@ def test_remat_plan_below_every_plan_answers_after_the_floor_without_the_frontie
     printed = capsys.readouterr().out
     assert "frontier: not priced" in printed and "nothing fits 1.00 MiB" in printed
     assert priced == ["full"]
+
+
+def test_a_peft_lora_model_is_planned_with_its_adapters_not_as_a_full_fine_tune() -> None:
+    """plan_activation_checkpointing(model) of a PEFT LoRA model plans LoRA's step (frozen base, AdamW over the
+    adapters): the same prediction as the recipe's peft section, far below the full fine-tune's."""
+    from peft import LoraConfig, get_peft_model
+    from tiny import tiny_causal_lm
+
+    def model() -> torch.nn.Module:
+        return tiny_causal_lm("llama", vocab_size=256, max_position_embeddings=32)
+
+    step = {"memory_budget": "1GiB", "batch_size": 2, "seq_length": 32, "target": "cpu"}
+    full = plan_activation_checkpointing(model(), **step)
+    lora = plan_activation_checkpointing(
+        get_peft_model(model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])), **step)
+    section = {"method": "lora", "r": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    assert lora.peak_bytes == plan_activation_checkpointing(model(), peft=section, **step).peak_bytes
+    assert lora.peak_bytes < 0.6 * full.peak_bytes

@@ -41,6 +41,7 @@ from remat.planner import ActivationPlan
 from remat.planner.adapt.adapter import PlanAdapter
 from remat.planner.api import planner_for_model
 from remat.planner.spelling import TRAINER
+from remat.recipes.build import lora_section
 from remat.planner.adapt.relaxing import forward_backward_peak
 from remat.recipes.adaptation.retry import OUT_OF_MEMORY, Overshoot, size
 from remat.training_state.layout import capture_rng_state, restore_rng_state
@@ -403,7 +404,7 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
         seq_length = _dataset_length(trainer)
     autocast = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else None
     planner, budget = planner_for_model(
-        model, memory_budget=memory_budget, target=target, spelling=TRAINER,
+        model, memory_budget=memory_budget, target=target, spelling=TRAINER, peft=lora_section(trainer.model, caller="prepare_trainer"),
         batch_size=args.per_device_train_batch_size, seq_length=seq_length, autocast=autocast,
         grad_accumulation=args.gradient_accumulation_steps, **_parallel_step(trainer),
         loss="fused" if loss == "fused" else "plain", optimizer="torch.optim.AdamW",

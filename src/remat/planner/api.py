@@ -23,6 +23,7 @@ from remat.planner.loss_choice import LossChooser, check_loss_choice, recipe_los
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.planner.spelling import PYTHON, Spelling
+from remat.recipes.build import lora_section
 from remat.recipes.config import RecipeConfig
 from remat.recipes.loader import load_recipe, with_loss
 
@@ -103,6 +104,7 @@ def _model_step(model: nn.Module | ModelLike, memory_budget: BudgetLike, target:
                 settings: dict[str, Any]) -> tuple[ModelConfig, StepSettings, int]:
     if isinstance(model, nn.Module):
         settings.setdefault("dtype", _dtype_name(model))
+        settings.setdefault("peft", lora_section(model, caller="plan_activation_checkpointing"))
         model = model.config
     step = StepSettings(target=target or default_target("auto"), **settings)  # type: ignore[arg-type]
     budget = parse_budget(memory_budget, device_bytes=device_bytes(step.target), key="memory_budget")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,3 +95,41 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
             return get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"peft: cannot apply LoRA to {type(model).__name__}: {err}") from err
+
+
+
+#: LoRA options that change what a step holds in ways the planner's LoRA model (remat.recipes.build.apply_lora)
+#: does not build: refused under policy="auto" (any fixed policy takes them).
+_UNMODELLED_LORA: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("use_dora", lambda value: bool(value)), ("modules_to_save", lambda value: bool(value)),
+    ("bias", lambda value: value not in (None, "none")), ("layers_to_transform", lambda value: value is not None),
+    ("rank_pattern", lambda value: bool(value)), ("alpha_pattern", lambda value: bool(value)),
+)
+
+
+def lora_section(model: nn.Module, *, caller: str) -> dict[str, Any] | None:
+    """The recipe's ``peft`` section of a PEFT LoRA model, so that ``auto`` plans the step it runs (frozen base,
+    trainable adapters, the optimizer over the adapters only, as `apply_lora` builds it); None for a model without
+    adapters. Adapters the planner cannot build the same way are refused in one line that starts with ``caller``."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    if len(configs) != 1:
+        raise ConfigError(f"{caller}: policy='auto' plans one LoRA adapter; this model has {len(configs)} "
+                          f"({', '.join(map(repr, configs))}); allowed: one adapter, or a fixed policy")
+    (name, config), = configs.items()
+    kind = getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))
+    if kind != "LORA":
+        raise ConfigError(f"{caller}: policy='auto' models LoRA adapters only; adapter {name!r} is {kind}; "
+                          "allowed: a LoRA adapter, or a fixed policy")
+    unmodelled = [option for option, set_ in _UNMODELLED_LORA if set_(getattr(config, option, None))]
+    targets = config.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        unmodelled.append(f"target_modules as a pattern ({targets!r})")
+    if unmodelled:
+        raise ConfigError(f"{caller}: policy='auto' cannot model LoRA adapter {name!r} with "
+                          f"{', '.join(unmodelled)}; allowed: plain LoRA (r, lora_alpha, lora_dropout, target_modules "
+                          "as names or 'all-linear'), or a fixed policy")
+    return {"method": "lora", "r": int(config.r), "lora_alpha": float(config.lora_alpha),
+            "lora_dropout": float(config.lora_dropout),
+            "target_modules": targets if isinstance(targets, str) else sorted(targets)}
