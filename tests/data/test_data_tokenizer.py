@@ -106,3 +106,31 @@ def test_model_directory_without_tokenizer_falls_back_to_builtin(tmp_path) -> No
 def test_bad_tokenizer_paths(tmp_path, make, message) -> None:
     with pytest.raises(ConfigError, match=message):
         build_tokenizer(TokenizerConfig(path=str(make(tmp_path))))
+
+
+def test_a_tokenizer_directory_s_own_code_never_runs_and_nothing_asks_on_stdin(tmp_path, builtin_tok,
+                                                                               monkeypatch) -> None:
+    """NOTE [ No prompt, no tokenizer code ]: a directory whose tokenizer_config.json names a class of its own
+    Python file; stdin answers "y" as a pipe would. The load is refused in one line and the file never runs."""
+    import io
+    import json
+
+    from remat.data.tokenizer import load_tokenizer_from_path
+
+    directory = tmp_path / "tok"
+    builtin_tok.save_pretrained(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["tok_evil.EvilTokenizer", None]})
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (directory / "tok_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                           "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\ny\n"))
+    for load in (lambda: load_tokenizer_from_path(str(directory)),
+                 lambda: build_tokenizer(TokenizerConfig(), model_path=str(directory))):
+        with pytest.raises(ConfigError, match=r"(tokenizer.path|model.pretrained_model_name_or_path): the tokenizer in "
+                                              r".* names Python code of its own .*allowed: .*--trust-remote-code"
+                           ) as refused:
+            load()
+        assert "\n" not in str(refused.value)
+    assert not marker.exists()

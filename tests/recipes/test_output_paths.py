@@ -57,3 +57,14 @@ def test_the_recipe_checks_its_paths_before_building_anything(tmp_path: Path) ->
     cfg = validate_recipe({"model": {"preset": "tiny-llama"}, "output_dir": str(tmp_path / "file")})
     with pytest.raises(ConfigError, match="output_dir: .* is the regular file"):
         FinetuneRecipe(cfg)
+
+
+@pytest.mark.parametrize("metrics_file", ["/elsewhere/file", "../../escape.jsonl", "logs/../../x.jsonl", "~/m.jsonl",
+                                          ""])
+def test_a_metrics_file_outside_the_run_is_refused_at_load(metrics_file: str, tmp_path: Path) -> None:
+    """A recipe writes only in its run's directory: logging.metrics_file is a relative path without '..'."""
+    with pytest.raises(ConfigError, match=r"logging.metrics_file: a recipe writes only in its run's directory; "
+                                          r"allowed: a file name inside output_dir"):
+        validate_recipe({"model": {"preset": "tiny-llama"}, "output_dir": str(tmp_path / "run"),
+                         "logging": {"metrics_file": metrics_file}})
+    assert not (tmp_path / "run").exists()

@@ -132,11 +132,14 @@ def builtin_tokenizer(vocab_size: int = 4096) -> PreTrainedTokenizerBase:
             )
         _save_atomically(_wrap_builtin(trained), target)
         logger.info("trained the builtin tokenizer (%d entries) into %s", trained.get_vocab_size(), target)
-    return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(target), local_files_only=True, trust_remote_code=False)
 
 
-def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path") -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a local directory (AutoTokenizer) or a `tokenizer.json` file; ConfigError otherwise."""
+def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path",
+                             trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local directory (AutoTokenizer) or a `tokenizer.json` file; ConfigError otherwise.
+
+    ``trust_remote_code`` is passed to transformers explicitly (NOTE [ No prompt, no tokenizer code ])."""
     location = Path(path).expanduser()
     allowed = f"a local directory with tokenizer files ({', '.join(_TOKENIZER_FILES)}) or a tokenizer.json file"
     if location.is_file():
@@ -151,17 +154,23 @@ def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path") -> PreTr
     if not has_tokenizer_files(location):
         raise ConfigError(f"{key}: directory {path!r} holds no tokenizer files; expected {allowed}")
     try:
-        return AutoTokenizer.from_pretrained(str(location), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(location), local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
+        if "trust_remote_code" in str(exc):
+            raise ConfigError(f"{key}: the tokenizer in {path!r} names Python code of its own (auto_map in "
+                              "tokenizer_config.json), which remat never runs from a recipe; allowed: a tokenizer "
+                              "of transformers' own classes (a tokenizer.json file), or trusting the model's code on "
+                              "the command line (remat finetune RECIPE --trust-remote-code)") from None
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path!r}: {' '.join(str(exc).split())}") from exc
 
 
-def _hub_tokenizer(hub_id: str) -> PreTrainedTokenizerBase | None:
+def _hub_tokenizer(hub_id: str, trust_remote_code: bool) -> PreTrainedTokenizerBase | None:
     """The tokenizer of the Hub model `hub_id`, resolved as transformers does (the HF cache when offline); None,
     said in a warning, when the repository has none that loads. A repository that cannot be reached at all is a
     ConfigError naming the model key (the model could not be loaded either)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(hub_id)
+        tokenizer = AutoTokenizer.from_pretrained(hub_id, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         if not hub_model_available(hub_id):
             raise hub_load_error(_MODEL_KEY, hub_id, "load the tokenizer", exc) from exc
@@ -173,17 +182,26 @@ def _hub_tokenizer(hub_id: str) -> PreTrainedTokenizerBase | None:
     return tokenizer
 
 
-def build_tokenizer(cfg: TokenizerConfig, model_path: str | None = None) -> PreTrainedTokenizerBase:
+def build_tokenizer(cfg: TokenizerConfig, model_path: str | None = None, *,
+                    trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer a recipe asks for: `cfg.path`, else the model's own (its local directory's tokenizer files, or
-    the Hub repository's tokenizer for a Hub id), else the builtin one."""
+    the Hub repository's tokenizer for a Hub id), else the builtin one.
+
+    # NOTE [ No prompt, no tokenizer code ]
+    # A tokenizer directory can name a Python class of its own (``auto_map`` in tokenizer_config.json). Left
+    # unspecified, transformers *asks* on stdin whether to run that code, so a piped "y" ran a planted file. Every
+    # tokenizer load passes ``trust_remote_code`` explicitly: False, unless the command line trusted the model's code
+    # (``--trust-remote-code``, which a recipe file cannot set); a tokenizer that needs its code then fails to load
+    # in one line instead of asking.
+    """
     if cfg.path is not None:
         logger.info("loading the tokenizer from %s", cfg.path)
-        return load_tokenizer_from_path(cfg.path)
+        return load_tokenizer_from_path(cfg.path, trust_remote_code=trust_remote_code)
     if model_path is not None and has_tokenizer_files(Path(model_path).expanduser()):
         logger.info("loading the tokenizer from the model directory %s", model_path)
-        return load_tokenizer_from_path(model_path, key=_MODEL_KEY)
+        return load_tokenizer_from_path(model_path, key=_MODEL_KEY, trust_remote_code=trust_remote_code)
     if model_path is not None and not Path(model_path).expanduser().exists():
-        hub_tokenizer = _hub_tokenizer(model_path)
+        hub_tokenizer = _hub_tokenizer(model_path, trust_remote_code)
         if hub_tokenizer is not None:
             return hub_tokenizer
     if model_path is not None:

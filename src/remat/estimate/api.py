@@ -252,7 +252,8 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
                   + (f" x cp {d.cp_size}" if d.cp_size > 1 else "") + (f" x tp {d.tp_size}" if d.tp_size > 1 else ""))
         logger.warning("distributed.dp_size is null (the launcher decides it): estimating %s; give world_size "
                        "(--world-size) for the number of processes you will launch", layout)
-    tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
+    tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path,
+                                trust_remote_code=cfg.model.trust_remote_code)
     settings = StepSettings.from_recipe(cfg, vocab_size=len(tokenizer), **options)
     model = _without_weights(cfg.model)
     check_simulable(settings.to_recipe(model), settings.run())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
+from pathlib import PurePath
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -373,8 +374,20 @@ class LoggingConfig(StrictModel):
     progress: Literal["auto", "rich", "plain"] = "auto"
     memory: Literal["auto", "cuda", "tracked", "rss"] = "auto"
     metrics_file: str | None = "metrics.jsonl"
+    """A file inside ``output_dir`` (a relative path without ``..``): a recipe writes only in its run's directory."""
     tensorboard: bool = False
     wandb: WandbConfig | None = None
+
+    @field_validator("metrics_file")
+    @classmethod
+    def _inside_the_run(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = PurePath(value).parts
+        if not value or PurePath(value).is_absolute() or ".." in parts or value.startswith("~"):
+            raise ValueError("a recipe writes only in its run's directory; allowed: a file name inside output_dir (a "
+                             "relative path without '..', e.g. metrics.jsonl), or null for none")
+        return value
 
 
 class PeftConfig(StrictModel):

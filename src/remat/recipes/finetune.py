@@ -126,7 +126,8 @@ class FinetuneRecipe:
         cfg = self.cfg
         _seed_everything(cfg.seed)
         with self.dist.local_main_first():  # one process per node trains/caches the tokenizer, the others load it
-            self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path)
+            self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path,
+                                             trust_remote_code=cfg.model.trust_remote_code)
             self.train_data = build_dataset(cfg.dataset, self.tokenizer, default_split="train", key_prefix="dataset")
             self.val_data = (
                 build_dataset(cfg.validation_dataset, self.tokenizer, default_split="validation",

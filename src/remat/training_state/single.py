@@ -223,7 +223,8 @@ def _load_model_weights(model: nn.Module, directory: Path) -> None:
 def _load_through_transformers(model: PreTrainedModel, directory: Path) -> None:
     dtype = next(model.parameters()).dtype
     with quiet_progress_bars():
-        reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+        reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
+                                                         trust_remote_code=False)
     try:
         result = model.load_state_dict(reference.state_dict(), strict=False)
     except RuntimeError as err:  # size mismatches: one line, not torch's list of every tensor
