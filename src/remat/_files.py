@@ -1,6 +1,7 @@
 """Opening the files of a run as data, never as something else: only regular files are read (a FIFO, a device or a
 directory in a file's place is one line, not a hang), writes into a directory the run owns never follow a symbolic
-link planted there, and a full disk is one line naming the path and the bytes.
+link planted there nor in place into a file with a second name (a hard link), and a full disk is one line naming
+the path and the bytes.
 
 # NOTE [ Why not just ``open`` ]
 # ``open(path)`` on a FIFO blocks until a writer appears, on ``/dev/zero`` it reads forever, and ``open(path, "w")``
@@ -103,6 +104,21 @@ def refuse_link(path: str | os.PathLike[str], what: str) -> None:
                           "write through links in a directory it owns: remove the link, or use another output_dir")
 
 
+def refuse_hard_link(path: str | os.PathLike[str], what: str, info: os.stat_result | None = None) -> None:
+    """ConfigError when the regular file at `path` has more than one name: appending to it (or writing it in place)
+    would change the file under its other name too, which may lie outside the run. (`write_atomic` needs no such
+    check: it renames a new file over the name, and the other name keeps the old content.)"""
+    if info is None:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return
+    if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+        raise ConfigError(f"{what} {shown(path)} has {info.st_nlink} names (hard links); remat never writes in place "
+                          "a file that another name shares: remove it (or copy it to a file of its own), or use "
+                          "another output_dir")
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, what: str, *, durable: bool = True) -> None:
     """Replace `path` with `data` in one step (a temporary file in the same directory, renamed over it): readers see
     the old or the new content, never half; a link at `path` is refused (`refuse_link`), never followed; a full
@@ -148,6 +164,7 @@ def open_append(path: str | os.PathLike[str], what: str, *, read: bool = False, 
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(f"{what} {shown(path)} is {kind_of(info.st_mode)}; allowed: a regular file")
+        refuse_hard_link(path, what, info)
         os.set_blocking(fd, True)
         return open(fd, "a+" if read else "a", encoding=encoding, closefd=True)  # noqa: SIM115 (the caller closes it)
     except BaseException:

@@ -66,3 +66,35 @@ def test_split_on_a_single_dataset_is_refused(word_tok, tmp_path) -> None:
     datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(str(path))
     with pytest.raises(ConfigError, match=r"^dataset\.split: .* is a single Dataset without splits; got split 'train'"):
         build_dataset(DatasetConfig(path=str(path), split="train"), word_tok)
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "/etc/passwd", "sub/data.arrow", ".."])
+def test_a_saved_dataset_naming_a_file_outside_its_directory_is_refused_unread(word_tok, tmp_path, name) -> None:
+    import json
+
+    path = tmp_path / "ds"
+    datasets.Dataset.from_dict({"text": ["a b"]}).save_to_disk(str(path))
+    state = json.loads((path / "state.json").read_text())
+    state["_data_files"] = [{"filename": name}]
+    (path / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=r"^dataset.path: .*state.json names .*, not a plain name inside .*; "
+                                          r"allowed: the files a datasets save_to_disk wrote there \(refused unread\)"):
+        build_dataset(DatasetConfig(path=str(path), seq_length=4, packing=False), word_tok)
+
+
+def test_a_saved_dataset_whose_data_file_is_a_link_or_a_split_outside_is_refused(word_tok, tmp_path) -> None:
+    import json
+
+    path = tmp_path / "ds"
+    datasets.Dataset.from_dict({"text": ["a b"]}).save_to_disk(str(path))
+    (data,) = path.glob("*.arrow")
+    (tmp_path / "elsewhere.arrow").write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(tmp_path / "elsewhere.arrow")
+    with pytest.raises(ConfigError, match=r"^dataset.path '.*arrow' is a symbolic link; allowed: a regular file"):
+        build_dataset(DatasetConfig(path=str(path), seq_length=4, packing=False), word_tok)
+    splits = tmp_path / "dd"
+    splits.mkdir()
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["../ds"]}))
+    with pytest.raises(ConfigError, match=r"dataset_dict.json names '../ds', not a plain name"):
+        build_dataset(DatasetConfig(path=str(splits), seq_length=4, packing=False), word_tok)

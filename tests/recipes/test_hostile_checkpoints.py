@@ -146,6 +146,24 @@ def test_a_linked_file_or_folder_in_a_checkpoint_is_refused(two_steps: Path, tmp
     assert reason == "train_state.json is a symbolic link; a checkpoint holds regular files only"
 
 
+def test_a_folder_link_that_stays_inside_the_checkpoint_and_a_linked_step_directory_are_refused(
+        two_steps: Path, tmp_path: Path) -> None:
+    """A link never makes a checkpoint: not a folder linked to another folder of the same checkpoint (which stays
+    inside it once resolved), not a step directory that is itself a link to a copy elsewhere."""
+    step_2 = two_steps / "step_2"
+    shutil.move(step_2 / "dcp", step_2 / "elsewhere")
+    (step_2 / "dcp").symlink_to("elsewhere", target_is_directory=True)
+    reason = verify_checkpoint(step_2)
+    assert reason is not None and "outside the checkpoint, behind the symbolic link dcp" in reason
+    (step_2 / "dcp").unlink()
+    shutil.move(step_2 / "elsewhere", step_2 / "dcp")
+    assert verify_checkpoint(step_2) is None
+    shutil.move(step_2, tmp_path / "copy")
+    step_2.symlink_to(tmp_path / "copy", target_is_directory=True)
+    reason = verify_checkpoint(step_2)
+    assert reason is not None and "the checkpoint directory is a symbolic link" in reason
+
+
 def test_fifos_in_a_checkpoint_never_block(two_steps: Path) -> None:
     """A FIFO as the marker, as the latest pointer or as a checkpoint file: each read returns at once."""
     with within(10):

@@ -4,6 +4,7 @@ case is refused before anything is built, naming the file, and the file the link
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,16 @@ from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 
 
+def _planted(tmp_path: Path, name: str, plant: Callable[[Path, Path], object]) -> tuple[Path, Path]:
+    """A victim file outside the run, and ``run/name`` planted to it (``plant(path, victim)``)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    path = tmp_path / "run" / name
+    path.parent.mkdir(parents=True)
+    plant(path, victim)
+    return victim, path
+
+
 @pytest.mark.parametrize(("name", "what"), [
     ("report.png", "run report"),
     (".remat.lock", "run lock"),
@@ -25,11 +36,7 @@ from remat.recipes.loader import validate_recipe
     ("checkpoints/.remat.lock", "run lock"),
 ])
 def test_a_planted_link_in_the_output_directory_is_refused(name: str, what: str, tmp_path: Path) -> None:
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious\n")
-    link = tmp_path / "run" / name
-    link.parent.mkdir(parents=True)
-    link.symlink_to(victim)
+    victim, link = _planted(tmp_path, name, Path.symlink_to)
     with pytest.raises(ConfigError) as info:
         FinetuneRecipe(validate_recipe(tiny_recipe(tmp_path)))
     assert str(info.value).startswith(f"{what} {str(link)!r} is a symbolic link (to {str(victim)!r}); remat does "
@@ -121,3 +128,33 @@ def test_a_full_disk_on_another_rank_of_a_sharded_save_is_recognised() -> None:
     full = CheckpointException("save", {1: (OSError(errno.ENOSPC, "No space left on device"), traceback.StackSummary())})
     other = CheckpointException("save", {1: (ValueError("shape"), traceback.StackSummary())})
     assert is_disk_full(full) and not is_disk_full(other)
+
+
+@pytest.mark.parametrize(("name", "what"), [
+    (".remat.lock", "run lock"),
+    ("metrics.jsonl", "logging.metrics_file"),
+    ("checkpoints/.remat.lock", "run lock"),
+])
+def test_a_planted_hard_link_in_the_output_directory_is_refused(name: str, what: str, tmp_path: Path) -> None:
+    """A file with a second name outside the run is never written in place (the lock's JSON, a metrics row)."""
+    victim, planted = _planted(tmp_path, name, lambda path, target: os.link(target, path))
+    with pytest.raises(ConfigError, match=rf"^{what} '.*{planted.name}' has 2 names \(hard links\); remat never "
+                                          "writes in place a file that another name shares"):
+        FinetuneRecipe(validate_recipe(tiny_recipe(tmp_path)))
+    with pytest.raises(ConfigError, match="has 2 names"):
+        open_append(planted, what)
+    assert victim.read_text() == "precious\n"
+    write_atomic(planted, "renamed over", what)  # a new file renamed over the name: the other name keeps its text
+    assert victim.read_text() == "precious\n" and planted.read_text() == "renamed over"
+
+
+def test_a_planted_checkpoints_directory_link_is_refused(tmp_path: Path) -> None:
+    """output_dir/checkpoints linked to a directory outside the run: no checkpoint is written there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ConfigError, match=r"^checkpoint.checkpoint_dir '.*checkpoints' is a symbolic link \(to "
+                                          r"'.*outside'\) inside output_dir; remat does not write through links"):
+        FinetuneRecipe(validate_recipe(tiny_recipe(tmp_path)))
+    assert list(outside.iterdir()) == []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from remat._files import open_regular
+from remat._files import open_regular, read_regular_bytes
 from remat.data.config import DatasetConfig
 from remat.data.corpus import builtin_documents
 from remat.errors import ConfigError
@@ -94,9 +94,54 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
+#: The largest ``state.json`` / ``dataset_dict.json`` of a saved dataset remat reads (they list file names).
+_SAVED_INDEX_LIMIT = 1 << 20
+
+
+def _check_saved_dataset(path: Path, key: str) -> None:
+    """ConfigError when a ``save_to_disk`` directory's index names a file that is not a plain name inside it, or one
+    that is not a regular file there (a link, a FIFO): `datasets.load_from_disk` would open whatever it names."""
+    splits_file = path / "dataset_dict.json"
+    if splits_file.exists() or splits_file.is_symlink():
+        splits = _saved_index(splits_file, key).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(name, str) for name in splits):
+            raise ConfigError(f"{key}: {splits_file} lists no splits; allowed: a datasets save_to_disk directory")
+        for name in splits:
+            _check_saved_dataset(_plain_entry(path, name, splits_file, key), key)
+        return
+    state_file = path / "state.json"
+    if not (state_file.exists() or state_file.is_symlink()):
+        return  # not a saved Dataset: load_from_disk says so itself
+    files = _saved_index(state_file, key).get("_data_files")
+    if not isinstance(files, list) or not all(isinstance(entry, dict) for entry in files):
+        raise ConfigError(f"{key}: {state_file} lists no data files; allowed: a datasets save_to_disk directory")
+    for entry in files:
+        data = _plain_entry(path, entry.get("filename"), state_file, key)
+        open_regular(data, key, follow_symlinks=False).close()
+
+
+def _saved_index(file: Path, key: str) -> dict[str, Any]:
+    try:
+        index = json.loads(read_regular_bytes(file, key, limit=_SAVED_INDEX_LIMIT, follow_symlinks=False))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ConfigError(f"{key}: {file} is not valid JSON ({type(err).__name__})") from None
+    if not isinstance(index, dict):
+        raise ConfigError(f"{key}: {file} is not a JSON object; allowed: a datasets save_to_disk directory")
+    return index
+
+
+def _plain_entry(path: Path, name: Any, index: Path, key: str) -> Path:
+    """``path / name`` for a plain file or folder name of a saved dataset's index; ConfigError for anything else."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise ConfigError(f"{key}: {index} names {name!r}, not a plain name inside {path}; allowed: the files a "
+                          "datasets save_to_disk wrote there (refused unread)")
+    return path / name
+
+
 def _read_hf_dataset(path: Path, split: str, split_given: bool, key_prefix: str) -> Iterator[RawRow]:
     import datasets  # imported here: loading `datasets` costs about a second
 
+    _check_saved_dataset(path, f"{key_prefix}.path")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

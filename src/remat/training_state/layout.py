@@ -124,9 +124,15 @@ def incomplete_reason(path: Path) -> str | None:
     outside = next((rel for rel in records if not _inside(rel)), None)
     if outside is not None:
         return f"{COMPLETE_MARKER} names {printable(outside, 80)!r}, a path outside the checkpoint (refused unread)"
+    if path.is_symlink():
+        return "the checkpoint directory is a symbolic link: its files lie outside the checkpoint (refused unread)"
     root = path.resolve()
     for rel, (size, _) in records.items():
         file = path / rel
+        linked = next((part for part in _folders_on_the_way(path, rel) if part.is_symlink()), None)
+        if linked is not None:
+            return (f"{rel} lies outside the checkpoint, behind the symbolic link {linked.relative_to(path)} (a "
+                    "checkpoint holds no links; refused unread)")
         try:
             info = file.lstat()
         except OSError:
@@ -138,6 +144,12 @@ def incomplete_reason(path: Path) -> str | None:
         if info.st_size != size:
             return f"{rel} has {info.st_size} bytes, {COMPLETE_MARKER} says {size}"
     return None
+
+
+def _folders_on_the_way(path: Path, rel: str) -> list[Path]:
+    """The folders between a checkpoint directory and one of its files (``model`` for ``model/config.json``)."""
+    parts = rel.split("/")[:-1]
+    return [path.joinpath(*parts[:i + 1]) for i in range(len(parts))]
 
 
 def _inside(rel: Any) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from remat._files import kind_of, refuse_link, shown
+from remat._files import kind_of, refuse_hard_link, refuse_link, shown
 from remat.errors import ConfigError
 from remat.training_state.names import LATEST_FILE
 
@@ -50,6 +50,11 @@ class OutputPaths:
             check_path_text(self.metrics_file, "logging.metrics_file")
         check_writable_dir(self.output_dir, "output_dir")
         if self.checkpoint_dir is not None:
+            if self.checkpoint_dir == self.output_dir / "checkpoints" and self.checkpoint_dir.is_symlink():
+                raise ConfigError(f"checkpoint.checkpoint_dir {shown(self.checkpoint_dir)} is a symbolic link (to "
+                                  f"{shown(os.readlink(self.checkpoint_dir))}) inside output_dir; remat does not write "
+                                  "through links in a directory it owns: remove the link, or name the directory you "
+                                  "want as checkpoint.checkpoint_dir on the command line")
             check_writable_dir(self.checkpoint_dir, "checkpoint.checkpoint_dir")
         if self.metrics_file is not None:
             check_writable_dir(self.metrics_file.parent, "logging.metrics_file")
@@ -58,6 +63,7 @@ class OutputPaths:
                                   "give a file name (metrics are appended to it as JSON lines)")
         for path, what in self.owned_files():
             refuse_link(path, what)
+            refuse_hard_link(path, what)
             if path.exists() and not path.is_file():
                 raise ConfigError(f"{what} {shown(path)} is {kind_of(path.stat().st_mode)}; remat writes "
                                   "a regular file there: move it away, or use another output_dir")
