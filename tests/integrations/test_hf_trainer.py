@@ -340,3 +340,11 @@ def test_lora_options_auto_cannot_model_are_refused_in_one_line(tmp_path: Path, 
     with pytest.raises(ConfigError, match=rf"^prepare_trainer: policy='auto' cannot model LoRA adapter 'default' "
                                           rf"with {refused}; allowed: plain LoRA"):
         remat.prepare_trainer(trainer, "auto", memory_budget="1GiB", target="cpu")
+
+
+def test_a_trainer_around_a_plain_torch_module_is_checkpointed_without_a_traceback(tmp_path: Path) -> None:
+    """A model that is not transformers' has no checkpointing of its own to switch off (was an AttributeError)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    plan = remat.prepare_trainer(trainer, "full")
+    assert plan.wrapped_modules

@@ -87,6 +87,22 @@ def test_a_malformed_calibration_is_one_error_naming_the_key(tmp_path: Path, con
         read_calibration(path, key="distributed.planner_calibration")
 
 
+def test_a_fifo_or_a_huge_file_as_the_calibration_is_one_line_not_a_hang(tmp_path: Path) -> None:
+    import os
+
+    from processes import within
+
+    fifo = tmp_path / "cal.json"
+    os.mkfifo(fifo)
+    with within(10), pytest.raises(ConfigError, match=r"^--calibration '.*cal.json' is a FIFO \(named pipe\); "
+                                                       r"allowed: a regular file"):
+        read_calibration(fifo)
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(b" " * (2 << 20))
+    with pytest.raises(ConfigError, match=r"holds 2,097,152 bytes; allowed: at most 1,048,576"):
+        read_calibration(huge)
+
+
 def _recipe(tmp_path: Path, **distributed: Any) -> Path:
     recipe = {
         "output_dir": str(tmp_path / "run"), "model": SMALL, "tokenizer": {"vocab_size": 512},

@@ -48,6 +48,8 @@ def test_budgets_are_bytes_sizes_or_fractions(value: Any, device: int | None, ex
     (80, None, r"memory_budget: got 80 bytes, less than 1 MiB; write a unit \(e.g. 80GiB\)"),
     ("80 gigs", None, r"memory_budget: got '80 gigs'; allowed: a number with a unit"),
     (True, None, r"memory_budget: got True"),
+    (10**400, None, r"memory_budget: got a 401-digit number of bytes, more than 1 EiB"),
+    (str(10**400), None, r"memory_budget: got a 401-digit number of bytes, more than 1 EiB"),
 ])
 def test_bad_budgets_are_refused_naming_the_key(value: Any, device: int | None, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -21,6 +21,8 @@ DEFAULT_MARGIN: Final[float] = 0.10
 
 MIN_BUDGET: Final[int] = 2**20
 """Budgets below this (1 MiB) are taken for a forgotten unit."""
+MAX_BUDGET: Final[int] = 2**60
+"""The largest budget in bytes: 1 EiB, more than any machine holds (a larger integer is a typo, or overflows)."""
 
 BudgetLike = int | float | str | None
 
@@ -50,6 +52,10 @@ class MemoryBudget:
             if value < MIN_BUDGET:
                 raise ConfigError(f"{key}: got {value} bytes, less than 1 MiB; write a unit (e.g. {value}GiB); "
                                   f"{_ALLOWED}")
+            if value > MAX_BUDGET:
+                shown = f"{value}" if value < 10**30 else f"a {len(str(value))}-digit number of"
+                raise ConfigError(f"{key}: got {shown} bytes, more than 1 EiB (2**60 bytes), more memory than any "
+                                  f"machine has; {_ALLOWED}")
             return cls(size_bytes=value)
         if isinstance(value, float):
             if not 0 < value <= 1:
@@ -58,13 +64,13 @@ class MemoryBudget:
             return cls(fraction=value)
         if isinstance(value, str):
             text = value.strip()
+            if text.isdigit():
+                return cls.parse(int(text), key=key)
             try:
                 number: Any = float(text)
             except ValueError:
                 return cls(size_bytes=parse_capacity(text, key=key))
-            if "." in text or "e" in text.lower():
-                return cls.parse(number, key=key)
-            return cls.parse(int(number), key=key)
+            return cls.parse(number, key=key)
         raise ConfigError(f"{key}: got {value!r} of type {type(value).__name__}; {_ALLOWED}")
 
     def resolve(self, device_bytes: int | None, *, key: str = "memory_budget") -> int:

@@ -39,4 +39,4 @@ def disable_hf_checkpointing(model: nn.Module) -> str:
 def is_hf_checkpointing(model: nn.Module) -> bool:
     """Whether transformers reports its own checkpointing as on for ``model``."""
     flag = f"is_{_NEW}" if hasattr(model, f"is_{_NEW}") else f"is_{_OLD}"
-    return bool(getattr(model, flag))
+    return bool(getattr(model, flag, False))  # a model that is not transformers' has none of its own

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from remat._files import write_atomic
+from remat._files import read_regular_bytes, write_atomic
 from remat.errors import ConfigError
 
 METHODS: Final[tuple[str, ...]] = ("recompute-fit", "whole-step")
@@ -109,14 +109,18 @@ def write_calibration(calibration: Calibration, path: str | Path) -> Path:
     return out
 
 
+#: The largest calibration file read (what `remat profile --write-calibration` writes is under 1 KiB).
+CALIBRATION_LIMIT = 1 << 20
+
+
 def read_calibration(path: str | Path, *, key: str = "--calibration") -> Calibration:
     """The calibration in ``path``; `ConfigError` naming ``key`` for a missing, unreadable or malformed file."""
     where = f"{key}: {str(path)!r}"
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
+    if not Path(path).exists():
         raise ConfigError(f"{where} does not exist; write one with `remat profile RECIPE --write-calibration "
-                          f"{path}`") from None
+                          f"{path}`")
+    try:  # a regular file of bounded size: a FIFO or a device in its place is one line, not a hang
+        data = json.loads(read_regular_bytes(path, key, limit=CALIBRATION_LIMIT))
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{where} cannot be read ({err})") from None
     except json.JSONDecodeError as err:
