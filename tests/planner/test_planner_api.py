@@ -135,13 +135,15 @@ def test_nothing_fits_names_the_smallest_plan_and_what_would_help() -> None:
         plan_activation_checkpointing("tiny-llama", memory_budget=2**20, batch_size=4, seq_length=512, target="cpu")
 
 
-def test_a_budget_below_every_plan_is_refused_after_one_estimate() -> None:
+def test_a_budget_below_every_plan_is_refused_after_pricing_full_alone() -> None:
     """Below the floor (full's peak less one block's activations) the planner prices full only, not every
-    candidate, before saying nothing fits."""
+    candidate, before saying nothing fits (full's step is composed from the whole step without checkpointing, the
+    one simulated first: NOTE [ The whole step composed from is the one that checkpoints nothing ])."""
     planner = Planner(ModelConfig(preset="tiny-llama"), StepSettings(batch_size=4, seq_length=512, target="cpu"))
     with pytest.raises(ConfigError, match="nothing fits 1.00 MiB; the smallest plan \\(full\\)"):
         planner.plan(2**20)
-    assert len(planner._estimates) == 1
+    priced = list(planner._estimates)  # keys: each priced policy's settings, in order
+    assert len(priced) == 2 and "'none'" in priced[0] and "'full'" in priced[1], priced
 
 
 def _recipe_file(tmp_path: Path, **distributed: Any) -> Path:
