@@ -74,12 +74,18 @@ def test_process_env_reads_torchrun_variables() -> None:
     ({"WORLD_SIZE": "2"}, "environment: WORLD_SIZE=2 asks for several processes, but RANK, LOCAL_RANK, "
                           "LOCAL_WORLD_SIZE are not set"),
     ({"WORLD_SIZE": "2\x1b[31m"}, r"environment: WORLD_SIZE='2\\x1b[31m' is not a process count or rank"),
+    # partial sets that are not one process's values (each trained as one process before, exit 0)
+    ({"WORLD_SIZE": "0", "RANK": "0"}, "environment: WORLD_SIZE=0 without LOCAL_RANK, LOCAL_WORLD_SIZE: no launcher"),
+    ({"LOCAL_RANK": "-1", "RANK": "0", "WORLD_SIZE": "1"}, "environment: LOCAL_RANK=-1 without LOCAL_WORLD_SIZE"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "environment: RANK=1 without LOCAL_RANK, LOCAL_WORLD_SIZE"),
+    ({"WORLD_SIZE": "-3"}, "environment: WORLD_SIZE=-3 without RANK, LOCAL_RANK, LOCAL_WORLD_SIZE"),
 ])
 def test_launcher_variables_that_make_no_sense_are_one_line(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         ProcessEnv.from_environ(env)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
     assert ProcessEnv.from_environ({"WORLD_SIZE": "1"}) == ProcessEnv()  # set by some tools for one process
+    assert ProcessEnv.from_environ({"RANK": "0", "LOCAL_RANK": "0"}) == ProcessEnv()
 
 
 def test_single_strategy_under_torchrun_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,3 +72,27 @@ def test_shapes_that_cannot_be_built_answer_before_allocating(config: dict[str, 
     start = time.perf_counter()
     assert message in _refusal(preset="tiny-llama", config=config)
     assert time.perf_counter() - start < 10
+
+
+class _RunsCode:
+    """A pickled object whose loading would run code (writes a marker): what weights-only loading refuses."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))  # unpickling would create the marker file
+
+
+def test_a_pickled_weights_file_that_names_more_than_tensors_is_one_line_and_runs_nothing(saved: Path,
+                                                                                          tmp_path: Path) -> None:
+    directory = tmp_path / "pickled"
+    shutil.copytree(saved, directory)
+    weights = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({**weights, "extra": _RunsCode(marker)}, directory / "pytorch_model.bin")
+    message = _refusal(pretrained_model_name_or_path=str(directory))
+    assert message.startswith(f"model.pretrained_model_name_or_path: {str(directory)!r} holds a pickled weights file "
+                              "(pytorch_model.bin) that names more than tensors")
+    assert not marker.exists()

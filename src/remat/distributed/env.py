@@ -50,6 +50,14 @@ class ProcessEnv:
                     f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so no launcher started "
                     "this one; start the workers with torchrun (remat finetune RECIPE --nproc-per-node N), or unset "
                     "WORLD_SIZE to train in one process")
+            single = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1}
+            wrong = [f"{name}={value}" for name, value in values.items() if value != single[name]]
+            if wrong:
+                raise ConfigError(
+                    f"environment: {', '.join(wrong)} without {', '.join(missing)}: no launcher started this process "
+                    "and one process is rank 0 of 1; allowed: all four torchrun variables (start the workers with "
+                    "remat finetune RECIPE --nproc-per-node N), or none of them (or RANK=0, LOCAL_RANK=0, "
+                    "WORLD_SIZE=1, LOCAL_WORLD_SIZE=1) to train in one process")
             return cls()
         process = cls(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"],
                       local_world_size=values["LOCAL_WORLD_SIZE"], launched=True)

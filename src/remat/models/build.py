@@ -14,6 +14,7 @@ import difflib
 import functools
 import inspect
 import logging
+import pickle
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -260,6 +261,11 @@ def _load_pretrained(
         raise _load_error(path, local, "load a causal LM", err) from err
     except RuntimeError as err:  # weights whose shapes do not match the config ("... ignore_mismatched_sizes")
         raise _load_error(path, local, "load a causal LM (its weights do not fit its config.json)", err) from err
+    except pickle.UnpicklingError as err:  # a pickled .bin that needs more than weights-only loading allows
+        raise ConfigError(f"{_PRETRAINED_KEY}: {path!r} holds a pickled weights file (pytorch_model.bin) that "
+                          "names more than tensors, which torch.load would run as code; remat loads weights only "
+                          "(weights_only=True refused it): convert the weights to safetensors where you trust them "
+                          "(save_pretrained writes model.safetensors)") from err
     return model.to(device)
 
 
