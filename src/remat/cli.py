@@ -15,6 +15,14 @@ import os
 # that imports remat keeps its own environment.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# A worker that remat's launcher (torchrun) started watches its launcher from its first instruction, before the
+# seconds its imports take: a kill -9 of the launcher while the workers still start must not leave them running
+# (remat.distributed.launch.stop_with_launcher; it imports the standard library only).
+if all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")):
+    from remat.distributed.launch import stop_with_launcher  # noqa: E402
+
+    stop_with_launcher()
+
 import argparse  # noqa: E402
 import errno  # noqa: E402
 import importlib  # noqa: E402

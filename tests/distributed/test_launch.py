@@ -201,6 +201,33 @@ def test_workers_stop_and_save_when_the_launcher_is_killed(tmp_path: Path, remat
     refuse_if_held({"output_dir": out})  # the lock was released: no error
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc (Linux)")
+def test_workers_still_starting_end_with_a_killed_launcher(tmp_path: Path, remat_cache: Path) -> None:
+    """kill -9 of the launcher as soon as its two workers exist, while they still import and build: they watch the
+    launcher from remat.cli's first lines, so both are gone within seconds (they ran on until their start-up ended,
+    40 s and more, before)."""
+    out = tmp_path / "run"
+    launcher = _endless_ddp_run(out)
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int] = []
+        while len(workers) < 2:
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.2)
+            workers = [pid for pid in descendants(launcher.pid) if "remat.cli" in _cmdline(pid)]
+        time.sleep(1.0)  # into their imports
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        ended = time.monotonic() + 15
+        while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers):
+            assert time.monotonic() < ended, f"workers {workers} still run 15 s after their launcher died"
+            time.sleep(0.2)
+    finally:
+        end_tree(launcher.pid)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

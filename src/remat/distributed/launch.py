@@ -201,17 +201,23 @@ def stop_with_launcher(interval_s: float = 1.0) -> threading.Thread:
     SIGTERM is the stop a run already answers: finish the step, save, release the lock, exit 143. Polling the
     parent's pid is portable; Linux's parent-death signal fires when the launching *thread* ends, which is not the
     launcher's death under torchrun's agent."""
+    global _WATCH
+    if _WATCH is not None and _WATCH.is_alive():
+        return _WATCH  # one watch per process (remat.cli starts it first thing in a worker)
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
         logger.warning("the launcher (pid %d) is gone: stopping after the current step", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # before the run's handler is in place, SIGTERM simply ends the worker
 
-    thread = threading.Thread(target=watch, name="remat-launcher-watch", daemon=True)
-    thread.start()
-    return thread
+    _WATCH = threading.Thread(target=watch, name="remat-launcher-watch", daemon=True)
+    _WATCH.start()
+    return _WATCH
+
+
+_WATCH: threading.Thread | None = None
 
 
 def share_store_off(options: LaunchOptions, environ: MutableMapping[str, str] | None = None) -> bool:
