@@ -189,10 +189,7 @@ def test_workers_stop_and_save_when_the_launcher_is_killed(tmp_path: Path, remat
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
         rest = launcher.stdout.read()  # the workers still write to the pipe until they end
-        ended = time.monotonic() + 60
-        while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers):
-            assert time.monotonic() < ended, f"workers {workers} still run 60 s after their launcher died:\n{rest}"
-            time.sleep(0.5)
+        _all_end_within(workers, 60, rest)
     finally:
         end_tree(launcher.pid)
     assert "the launcher" in rest and "is gone: stopping after the current step" in rest
@@ -220,12 +217,16 @@ def test_workers_still_starting_end_with_a_killed_launcher(tmp_path: Path, remat
         time.sleep(1.0)  # into their imports
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
-        ended = time.monotonic() + 15
-        while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers):
-            assert time.monotonic() < ended, f"workers {workers} still run 15 s after their launcher died"
-            time.sleep(0.2)
+        _all_end_within(workers, 15)
     finally:
         end_tree(launcher.pid)
+
+
+def _all_end_within(workers: list[int], seconds: float, output: str = "") -> None:
+    ended = time.monotonic() + seconds
+    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers):
+        assert time.monotonic() < ended, f"workers {workers} still run {seconds} s after their launcher died:\n{output}"
+        time.sleep(0.2)
 
 
 def _cmdline(pid: int) -> str:
