@@ -270,3 +270,17 @@ def test_a_lora_estimate_says_how_many_parameters_are_trained() -> None:
     assert lora.breakdown["gradients"] < whole.breakdown["gradients"]
     with pytest.raises(ConfigError, match=r"peft\.r"):
         estimate_memory("tiny-llama", batch_size=1, seq_length=32, target="cpu", peft={"r": 0})
+
+
+def test_a_published_config_with_a_key_transformers_ignores_is_accepted_and_a_written_one_refused(
+        tmp_path: Path) -> None:
+    """A config.json its authors published (Qwen2.5's carries use_mrope, which Qwen2Config has no field for) loads in
+    transformers without a word, so the estimate takes it too; the same key written in a recipe's model.config is
+    still a typo that would build the wrong model."""
+    published = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "use_mrope": False}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    cfg = resolve_model(str(tmp_path))
+    assert "use_mrope" not in cfg.config and cfg.config["hidden_size"] == 64
+    with pytest.raises(ConfigError, match=r"model.config.use_mrope: Qwen2Config \('qwen2'\) has no such field"):
+        resolve_model(published)

@@ -74,6 +74,12 @@ def test_the_published_squad_recipe_is_refused_key_by_key() -> None:
      "peft.exclude_modules: ['*.o_proj'] has no remat counterpart"),
     ({"optimizer": {"_target_": "nemo_automodel.components.optim.Fancy"}},
      "optimizer._target_: 'nemo_automodel.components.optim.Fancy' is NeMo AutoModel's own class"),
+    ({"distributed": {"pipeline": {"pp_size": 4}}}, "distributed.pipeline: pp_size=4 asks for pipeline parallelism"),
+    ({"distributed": {"moe": {"ep_size": 8}}}, "distributed.moe: ep_size=8 asks for expert parallelism"),
+    ({"distributed": {"mp_policy": {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.bfloat16"}}},
+     "distributed.mp_policy: {'param_dtype': 'torch.bfloat16', 'reduce_dtype': 'torch.bfloat16'}; remat's"),
+    ({"checkpoint": {"dequantize_base_checkpoint": True}}, "checkpoint.dequantize_base_checkpoint: true"),
+    ({"checkpoint": {"model_save_format": "pickle"}}, "checkpoint.model_save_format: 'pickle'; allowed:"),
 ])
 def test_what_remat_cannot_read_is_one_line_naming_the_key(change: dict[str, dict[str, object]],
                                                            message: str) -> None:
@@ -90,3 +96,22 @@ def test_what_remat_cannot_read_is_one_line_naming_the_key(change: dict[str, dic
 def test_only_nemo_recipes_are_translated() -> None:
     assert is_nemo_recipe({"rng": {"seed": 1}}) and is_nemo_recipe({"loss_fn": {"_target_": "nemo_automodel.x.Y"}})
     assert not is_nemo_recipe(yaml.safe_load((HERE.parents[2] / "examples" / "quickstart.yaml").read_text()))
+
+
+def test_nemo_keys_that_ask_for_nothing_remat_lacks_are_mapped_or_dropped_with_a_line() -> None:
+    data = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
+    data["distributed"] = {**data.get("distributed", {}), "pipeline": {"pp_size": 1}, "moe": {"ep_size": 1},
+                           "mp_policy": {"_target_": "torch.distributed.fsdp.MixedPrecisionPolicy",
+                                         "param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}}
+    data["checkpoint"] = {**data.get("checkpoint", {}), "model_save_format": "torch_save",
+                          "dequantize_base_checkpoint": False}
+    data["step_scheduler"] = {**data.get("step_scheduler", {}), "gc_every_steps": 100}
+    out, said = from_nemo(data)
+    assert out["distributed"]["mixed_precision"] == "bfloat16"
+    assert not {"pipeline", "moe", "mp_policy"} & set(out["distributed"])
+    assert "gc_every_steps" not in out["step_scheduler"] and "model_save_format" not in out["checkpoint"]
+    for start in ("distributed.mp_policy (param_dtype bfloat16, reduce_dtype float32) -> distributed.mixed_precision",
+                  "distributed.pipeline: dropped", "distributed.moe: dropped",
+                  "checkpoint.model_save_format torch_save: remat writes safetensors instead",
+                  "checkpoint.dequantize_base_checkpoint false: dropped", "step_scheduler.gc_every_steps 100: dropped"):
+        assert any(line.startswith(start) for line in said), (start, said)

@@ -36,7 +36,7 @@ from remat.estimate.settings import StepSettings
 from remat.estimate.simulate import StepTrace, check_simulable, simulate_step
 from remat.hub import hub_config_file, is_hub_id
 from remat.models import ModelConfig, get_preset, preset_names
-from remat.models.build import resolve_model_config
+from remat.models.build import ignored_config_keys, resolve_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def _model_config(model: ModelLike) -> ModelConfig:
     if isinstance(model, ModelConfig):
         return _without_weights(model)
     if isinstance(model, PretrainedConfig):
-        return ModelConfig(config=_config_mapping(model.to_dict()))
+        return ModelConfig(config=_config_mapping(model.to_dict(), published=True))
     if isinstance(model, Mapping):
         return ModelConfig(config=_config_mapping(model))
     if isinstance(model, (str, Path)):
@@ -226,15 +226,20 @@ def _from_config_file(path: Path) -> ModelConfig:
         raise ConfigError(f"model: cannot read a transformers config from {path}: {err}") from err
     if not isinstance(mapping, dict):
         raise ConfigError(f"model: {path} holds {type(mapping).__name__}, not a config mapping")
-    return ModelConfig(config=_config_mapping(mapping))
+    return ModelConfig(config=_config_mapping(mapping, published=True))
 
 
-def _config_mapping(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved config without the keys that are arguments of the loader rather than fields of the config."""
+def _config_mapping(mapping: Mapping[str, Any], *, published: bool = False) -> dict[str, Any]:
+    """A saved config without the keys that are arguments of the loader rather than fields of the config; for a
+    ``published`` one (a config.json file, a Hub repository's, a transformers config object) also without the keys
+    its config class has no field for, which transformers loads and ignores (`ignored_config_keys`)."""
     out = {k: v for k, v in mapping.items() if k not in ("trust_remote_code", "transformers_version", "_name_or_path")}
     if "model_type" not in out:
         raise ConfigError("model.config.model_type: missing; a transformers config names its model_type "
                           "(e.g. 'llama')")
+    if published:
+        for key in ignored_config_keys(out):
+            del out[key]
     return out
 
 

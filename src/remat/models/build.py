@@ -168,6 +168,19 @@ def _config_from_mapping(mapping: dict[str, Any], cfg: ModelConfig) -> Pretraine
     return config
 
 
+def ignored_config_keys(mapping: Mapping[str, Any]) -> list[str]:
+    """The keys of a published config (a config.json its authors wrote, as transformers loads it) that its config
+    class has no field for: transformers loads them without a word and nothing reads them. A recipe's own
+    ``model.config`` keys are held to `_reject_unknown_keys` instead (a typo there builds the wrong model)."""
+    model_type = str(mapping.get("model_type"))
+    if model_type not in CONFIG_MAPPING:
+        return []
+    config_class = CONFIG_MAPPING[model_type]
+    known = _known_config_keys(config_class) | _stock_config_keys(config_class)
+    return [key for key in mapping if key != "model_type" and key not in known
+            and not _mentioned_in_config_code(config_class, key)]
+
+
 def _reject_unknown_keys(config_class: type[PretrainedConfig], model_type: str, fields: Iterable[str]) -> set[str]:
     """A key transformers does not know would be stored and silently ignored: a typo builds the wrong model. Returns
     the keys known only from the stock config's own ``to_dict()`` (derived from other fields, e.g. deepseek's

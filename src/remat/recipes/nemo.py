@@ -16,7 +16,11 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
 - ``packed_sequence.packed_sequence_size`` N > 0 -> ``dataset.packing: true`` with ``seq_length: N`` (0: packing off);
 - ``dataloader`` / ``validation_dataloader``: ``shuffle`` -> the dataset's; the loader and collate classes are
   remat's own;
-- ``checkpoint``: ``model_save_format: safetensors`` and ``save_consolidated`` are what remat writes anyway;
+- ``distributed.mp_policy`` (FSDP2's ``MixedPrecisionPolicy``, reduce in float32) -> ``distributed.mixed_precision``;
+  ``distributed.pipeline`` / ``distributed.moe`` sections whose sizes are 1 are dropped (larger sizes refused);
+- ``checkpoint``: ``model_save_format`` (``safetensors``, or ``torch_save`` said to be replaced by safetensors) and
+  ``save_consolidated`` are what remat writes anyway; ``dequantize_base_checkpoint: false`` is dropped;
+- ``step_scheduler.gc_every_steps`` is dropped;
 - ``lr_scheduler``: ``lr_decay_style`` -> ``decay``, ``lr_warmup_steps`` -> ``warmup_steps``, ``min_lr`` ->
   ``min_lr_ratio`` (over ``optimizer.lr``);
 - ``peft`` (NeMo's ``PeftConfig``): ``dim`` -> ``r``, ``alpha`` -> ``lora_alpha``, ``dropout`` -> ``lora_dropout``,
@@ -174,6 +178,9 @@ def _distributed(out: dict[str, Any], said: list[str], refused: list[str]) -> No
     if isinstance(section.get("dp_size"), str) and section["dp_size"].lower() in ("none", "null", "auto"):
         section["dp_size"] = None
         said.append("distributed.dp_size none -> null (derived from the number of processes)")
+    _mixed_precision(section, said, refused)
+    for name in ("pipeline", "moe"):
+        _trivial_section(section, name, said, refused)
     for key, trivial in (("pp_size", 1), ("ep_size", 1), ("sequence_parallel", False), ("dp_replicate_size", 1)):
         if key not in section:
             continue
@@ -185,6 +192,46 @@ def _distributed(out: dict[str, Any], said: list[str], refused: list[str]) -> No
             refused.append(f"distributed.{key}: {value!r} is not supported by remat (pipeline, expert and sequence "
                            "parallelism); allowed: " + ("false" if trivial is False else "1") + ", or context "
                            "parallelism: distributed.cp_size")
+
+
+#: NeMo's ``distributed.mp_policy`` (an FSDP2 ``MixedPrecisionPolicy``): what remat's ``mixed_precision: D`` is.
+_REMAT_MP_REDUCE: Final[str] = "float32"
+#: Sizes of NeMo's ``distributed.pipeline`` / ``distributed.moe`` sections that ask for nothing (one stage, no expert
+#: parallelism): such a section is dropped; any other value is refused by name.
+_TRIVIAL_SIZES: Final[dict[str, Any]] = {"pp_size": 1, "ep_size": 1, "size": 1, "num_stages": 1, "enabled": False}
+
+
+def _mixed_precision(section: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    policy = section.pop("mp_policy", None)
+    if policy is None:
+        return
+    dtypes = {key: _DTYPES.get(str(policy.get(key)).removeprefix("torch."), str(policy.get(key)))
+              for key in ("param_dtype", "reduce_dtype")} if isinstance(policy, Mapping) else {}
+    param = dtypes.get("param_dtype")
+    if param not in ("bfloat16", "float16", "float32") or dtypes.get("reduce_dtype") not in (_REMAT_MP_REDUCE,
+                                                                                              "None", None):
+        refused.append(f"distributed.mp_policy: {dict(policy) if isinstance(policy, Mapping) else policy!r}; remat's "
+                       "distributed.mixed_precision: D is FSDP2's MixedPrecisionPolicy(param_dtype=D, reduce_dtype="
+                       "float32): allowed: param_dtype bfloat16, float16 or float32 with reduce_dtype float32")
+        return
+    section["mixed_precision"] = param
+    said.append(f"distributed.mp_policy (param_dtype {param}, reduce_dtype float32) -> distributed.mixed_precision "
+                f"{param}")
+
+
+def _trivial_section(section: dict[str, Any], name: str, said: list[str], refused: list[str]) -> None:
+    value = section.pop(name, None)
+    if value is None:
+        return
+    asks = {key: item for key, item in value.items() if key != "_target_" and key in _TRIVIAL_SIZES
+            and item not in (_TRIVIAL_SIZES[key], None)} if isinstance(value, Mapping) else {"": value}
+    if asks:
+        refused.append(f"distributed.{name}: {', '.join(f'{k}={v!r}' for k, v in asks.items())} asks for "
+                       f"{'pipeline' if name == 'pipeline' else 'expert'} parallelism, which remat does not have; "
+                       "allowed: sizes 1 (or no section), and FSDP2 over the same GPUs instead (remat estimate "
+                       "RECIPE says what that layout holds per GPU)")
+    else:
+        said.append(f"distributed.{name}: dropped (its sizes are 1: nothing remat lacks)")
 
 
 def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
@@ -225,10 +272,22 @@ def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> Non
     if not isinstance(section, dict):
         return
     fmt = section.pop("model_save_format", None)
-    if fmt not in (None, "safetensors"):
-        refused.append(f"checkpoint.model_save_format: {fmt!r}; remat saves safetensors (allowed: safetensors)")
+    if fmt not in (None, "safetensors", "torch_save"):
+        refused.append(f"checkpoint.model_save_format: {fmt!r}; allowed: safetensors or torch_save (remat writes "
+                       "safetensors either way)")
+    elif fmt == "torch_save":
+        said.append("checkpoint.model_save_format torch_save: remat writes safetensors instead (a transformers "
+                    "model/ export that from_pretrained loads; weights, never pickles)")
     elif fmt is not None:
         said.append("checkpoint.model_save_format safetensors: what remat writes")
+    if "dequantize_base_checkpoint" in section:
+        value = section.pop("dequantize_base_checkpoint")
+        if value:
+            refused.append("checkpoint.dequantize_base_checkpoint: true dequantises a quantised (e.g. FP8) base "
+                           "checkpoint while loading; remat loads floating-point weights only (a quantised one is "
+                           "refused by name): give a bf16/fp32 checkpoint and remove the key")
+        else:
+            said.append("checkpoint.dequantize_base_checkpoint false: dropped (remat loads floating-point weights)")
     if "save_consolidated" in section:
         section.pop("save_consolidated")
         said.append("checkpoint.save_consolidated: dropped (every checkpoint has a transformers model/ export)")
@@ -243,6 +302,10 @@ def _schedules(out: dict[str, Any], said: list[str], refused: list[str]) -> None
                            "step_scheduler.max_steps (rows of the dataset x epochs / global_batch_size)")
         else:
             said.append(f"step_scheduler.num_epochs {epochs}: dropped (max_steps {sched['max_steps']} ends the run)")
+    if isinstance(sched, dict) and "gc_every_steps" in sched:
+        every = sched.pop("gc_every_steps")
+        said.append(f"step_scheduler.gc_every_steps {every}: dropped (remat leaves Python's garbage collector as it "
+                    "is; the training loop holds no reference cycles)")
     lr = out.get("lr_scheduler")
     if not isinstance(lr, dict):
         return
