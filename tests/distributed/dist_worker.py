@@ -206,6 +206,16 @@ def context(out: Path) -> dict[str, Any]:
     return report
 
 
+def resume_saying(recipe: dict[str, Any], first: RunResult) -> dict[str, Any]:
+    """Run ``recipe`` again (it resumes), with what remat's checkpoint verification said on this rank."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("remat.training_state.verify").addHandler(handler)
+    job, resumed = train(recipe)
+    return {"first": curve(first), "resumed": curve(resumed), "resumed_from": str(job.resumed_from), "said": said}
+
+
 def corrupt_shard(out: Path) -> dict[str, Any]:
     """fsdp2 checkpoints step_2 and step_4, then one byte of rank 1's DCP shard of step_4 changed (same size): the
     next run skips step_4 on every rank (rank 0 verifies, all follow) and continues from step_2."""
@@ -218,12 +228,7 @@ def corrupt_shard(out: Path) -> dict[str, Any]:
         data[len(data) // 2] ^= 0x5A
         shard.write_bytes(bytes(data))
     dist.barrier()
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("remat.training_state.verify").addHandler(handler)
-    job, resumed = train(recipe)
-    return {"first": curve(first), "resumed": curve(resumed), "resumed_from": str(job.resumed_from), "said": said}
+    return resume_saying(recipe, first)
 
 
 def stop_on_one_rank(out: Path) -> dict[str, Any]:
@@ -255,11 +260,31 @@ def nccl(out: Path) -> dict[str, Any]:
     return report
 
 
+def damaged_rank_file(out: Path) -> dict[str, Any]:
+    """fsdp2 checkpoints step_2 and step_4, then rank 0's own file of step_4 (``rng/rank_0.pt``) replaced by garbage and
+    the manifest rewritten to match (verification passes): only rank 0's read fails, before the collective load. Every
+    rank must fall back to step_2 together (before, rank 1 waited in the collective load forever)."""
+    import hashlib
+
+    recipe = tiny_recipe(out, strategy="fsdp2", max_steps=4, step_scheduler={"ckpt_every_steps": 2,
+                         "val_every_steps": None}, checkpoint={"enabled": True, "keep_last": 3})
+    _, first = train(recipe)
+    step_4 = out / "checkpoints" / "step_4"
+    if dist.get_rank() == 0:
+        garbage = b"not a torch file " * 64
+        (step_4 / "rng" / "rank_0.pt").write_bytes(garbage)
+        marker = json.loads((step_4 / "COMPLETE.json").read_text())
+        marker["files"]["rng/rank_0.pt"] = {"size": len(garbage), "sha256": hashlib.sha256(garbage).hexdigest()}
+        (step_4 / "COMPLETE.json").write_text(json.dumps(marker))
+    dist.barrier()
+    return resume_saying(recipe, first)
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard,
-              "context": context}[mode](out)
+              "damaged_rank_file": damaged_rank_file, "context": context}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     leave_process_group()
 

@@ -149,12 +149,7 @@ def load_sharded_checkpoint(
     if marker.get("layout") != LAYOUT_SHARDED:
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
                           "remat.training_state.single.load_checkpoint")
-    train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
-    scheduler_state = load_weights_only(path / SCHEDULER_FILE) if lr_scheduler is not None else None
-    rng_file = path / RNG_DIR / f"rank_{_rank()}.pt"
-    if not rng_file.is_file():  # fewer ranks saved than now load: take rank 0's generators
-        rng_file = path / RNG_DIR / "rank_0.pt"
-    rng_state = load_weights_only(rng_file)
+    train_state, scheduler_state, rng_state = _agreed(lambda: _small_files(path, lr_scheduler is not None))
     inner = unwrap_model(model)
     model_state, optim_state = _state_dicts(inner, optimizer)
     state: dict[str, Any] = {"model": model_state}
@@ -179,6 +174,46 @@ def load_sharded_checkpoint(
         lr_scheduler.load_state_dict(scheduler_state)
     restore_rng_state(rng_state)
     return train_state
+
+
+def _small_files(path: Path, with_scheduler: bool) -> tuple[dict[str, Any], Any, Any]:
+    """The train state, the scheduler's state and this rank's generators (each rank reads its own ``rng`` file)."""
+    train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
+    scheduler_state = load_weights_only(path / SCHEDULER_FILE) if with_scheduler else None
+    rng_file = path / RNG_DIR / f"rank_{_rank()}.pt"
+    if not rng_file.is_file():  # fewer ranks saved than now load: take rank 0's generators
+        rng_file = path / RNG_DIR / "rank_0.pt"
+    return train_state, scheduler_state, load_weights_only(rng_file)
+
+
+def _agreed(read: Any) -> Any:
+    """``read()`` on every rank, and its failure, if any rank's read failed, raised on every rank alike.
+
+    # NOTE [ Ranks agree before the collective load ]
+    # Each rank reads its own files before ``dcp.load``, a collective. A file damaged on one rank only (its
+    # ``rng/rank_<r>.pt``, with a manifest rewritten to match) failed that rank's read while the others entered the
+    # collective and waited for it forever: a resume that hung without a word. The outcome of every rank's reads is
+    # gathered first, so all ranks raise the same error (the resume then falls back to an older checkpoint on all of
+    # them) or all go on together.
+    """
+    result, failure = None, None
+    try:
+        result = read()
+    except ConfigError as err:
+        failure = ("config", _rank(), str(err))
+    except Exception as err:  # noqa: BLE001 (a damaged file: agreed below, then raised on every rank)
+        failure = ("load", _rank(), f"{type(err).__name__}: {' '.join(str(err).split())[:300]}")
+    failures = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f is not None), None)
+    if first is None:
+        return result
+    kind, rank, message = first
+    if kind == "config":
+        raise ConfigError(message)
+    raise RuntimeError(f"rank {rank} could not read its files of the checkpoint ({message})")
 
 
 def export_full_model(model: nn.Module, directory: Path, *, tokenizer: Any | None = None) -> None:
