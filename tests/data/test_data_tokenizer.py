@@ -134,3 +134,16 @@ def test_a_tokenizer_directory_s_own_code_never_runs_and_nothing_asks_on_stdin(t
             load()
         assert "\n" not in str(refused.value)
     assert not marker.exists()
+
+
+def test_an_oversized_tokenizer_file_is_refused_before_it_is_parsed(tmp_path, builtin_tok, monkeypatch) -> None:
+    """A 300 MB token grew a process to 9.9 GB in the tokenizers library: the file's size is checked first."""
+    from remat.data.tokenizer import load_tokenizer_from_path
+
+    builtin_tok.save_pretrained(tmp_path / "tok")
+    size = (tmp_path / "tok" / "tokenizer.json").stat().st_size
+    monkeypatch.setattr(tokenizer_module, "TOKENIZER_FILE_LIMIT", size - 1)
+    for path in (tmp_path / "tok", tmp_path / "tok" / "tokenizer.json"):
+        with pytest.raises(ConfigError, match=rf"^tokenizer.path: .*tokenizer.json holds {size:,} bytes; allowed: at "
+                                              rf"most {size - 1:,}"):
+            load_tokenizer_from_path(str(path))

@@ -284,3 +284,9 @@ def test_a_published_config_with_a_key_transformers_ignores_is_accepted_and_a_wr
     assert "use_mrope" not in cfg.config and cfg.config["hidden_size"] == 64
     with pytest.raises(ConfigError, match=r"model.config.use_mrope: Qwen2Config \('qwen2'\) has no such field"):
         resolve_model(published)
+
+
+def test_a_config_json_nested_too_deep_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match=r"^model: .*config.json nests deeper than Python's JSON reader goes"):
+        resolve_model(str(tmp_path))

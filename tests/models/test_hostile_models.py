@@ -96,3 +96,12 @@ def test_a_pickled_weights_file_that_names_more_than_tensors_is_one_line_and_run
     assert message.startswith(f"model.pretrained_model_name_or_path: {str(directory)!r} holds a pickled weights file "
                               "(pytorch_model.bin) that names more than tensors")
     assert not marker.exists()
+
+
+def test_a_lora_rank_above_every_layer_s_is_one_line_not_an_allocation_error() -> None:
+    from remat.recipes.build import apply_lora
+    from remat.recipes.config import PeftConfig
+
+    with pytest.raises(ConfigError, match=r"^peft.r: got 1000000000, more than the rank of any linear layer of "
+                                          r"LlamaForCausalLM \(at most 32: min\(in, out\) features\); allowed: 1 to 32"):
+        apply_lora(tiny_causal_lm(hidden_size=32, intermediate_size=64, vocab_size=100), PeftConfig(r=10**9))

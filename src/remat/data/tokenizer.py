@@ -21,6 +21,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from remat._files import open_regular
 from remat.data.config import TokenizerConfig
 from remat.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from remat.errors import ConfigError
@@ -142,6 +143,7 @@ def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path",
     ``trust_remote_code`` is passed to transformers explicitly (NOTE [ No prompt, no tokenizer code ])."""
     location = Path(path).expanduser()
     allowed = f"a local directory with tokenizer files ({', '.join(_TOKENIZER_FILES)}) or a tokenizer.json file"
+    _check_tokenizer_files(location, key)
     if location.is_file():
         if location.suffix != ".json":
             raise ConfigError(f"{key}: {path!r} is a file but not a tokenizer .json file; expected {allowed}")
@@ -163,6 +165,25 @@ def load_tokenizer_from_path(path: str, *, key: str = "tokenizer.path",
                               "of transformers' own classes (a tokenizer.json file), or trusting the model's code on "
                               "the command line (remat finetune RECIPE --trust-remote-code)") from None
         raise ConfigError(f"{key}: cannot load a tokenizer from {path!r}: {' '.join(str(exc).split())}") from exc
+
+
+#: The largest tokenizer file read (published tokenizer.json files are at most a few tens of MB; the tokenizers
+#: library holds several times a file's size while it parses, and a 300 MB token grew a process to 9.9 GB).
+TOKENIZER_FILE_LIMIT = 256 << 20
+
+
+def _check_tokenizer_files(location: Path, key: str) -> None:
+    """ConfigError naming ``key`` when a tokenizer file there is not a regular file or is larger than
+    `TOKENIZER_FILE_LIMIT` (checked before the tokenizers library reads it)."""
+    files = [location] if location.is_file() else [location / name for name in _TOKENIZER_FILES]
+    for file in files:
+        if not (file.exists() or file.is_symlink()):
+            continue
+        open_regular(file, key).close()  # a FIFO or a device is one line, not a hang
+        size = file.stat().st_size
+        if size > TOKENIZER_FILE_LIMIT:
+            raise ConfigError(f"{key}: {file} holds {size:,} bytes; allowed: at most {TOKENIZER_FILE_LIMIT:,} (no "
+                              "published tokenizer comes near it)")
 
 
 def _hub_tokenizer(hub_id: str, trust_remote_code: bool) -> PreTrainedTokenizerBase | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from remat._files import read_regular_bytes
 from remat.errors import ConfigError
 from remat.estimate.isolation import call_in_child, needs_fresh_process
 from remat.estimate.replay import replay
@@ -219,9 +220,16 @@ def _without_weights(cfg: ModelConfig) -> ModelConfig:
     return ModelConfig.model_validate(data)
 
 
+#: The largest config.json read (published ones are a few KiB; multimodal ones tens of KiB).
+CONFIG_FILE_LIMIT = 16 << 20
+
+
 def _from_config_file(path: Path) -> ModelConfig:
     try:
-        mapping = json.loads(path.read_text())
+        mapping = json.loads(read_regular_bytes(path, "model: the config", limit=CONFIG_FILE_LIMIT))
+    except RecursionError:
+        raise ConfigError(f"model: {path} nests deeper than Python's JSON reader goes; allowed: a transformers "
+                          "config.json (a flat mapping of fields)") from None
     except (OSError, ValueError) as err:
         raise ConfigError(f"model: cannot read a transformers config from {path}: {err}") from err
     if not isinstance(mapping, dict):

@@ -86,6 +86,11 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     """``model`` with LoRA adapters from the ``peft`` section (only they are trained)."""
     from peft import LoraConfig, get_peft_model
 
+    full_rank = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)),
+                    default=0)
+    if full_rank and cfg.r > full_rank:  # a rank above every layer's own adds nothing but memory (10**9: terabytes)
+        raise ConfigError(f"peft.r: got {cfg.r}, more than the rank of any linear layer of {type(model).__name__} "
+                          f"(at most {full_rank}: min(in, out) features); allowed: 1 to {full_rank}")
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.target_modules, task_type="CAUSAL_LM")
     try:
