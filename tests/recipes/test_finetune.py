@@ -200,3 +200,25 @@ def test_auto_device_trains_on_the_gpu_and_logs_the_allocator_peak(tmp_path: Pat
     assert "mem: peak of the CUDA caching allocator (torch.cuda.max_memory_allocated)" in out
     assert all(r.mem_source == "cuda" and r.mem_bytes > 0 for r in result.records)
     assert losses(result)[-1] < losses(result)[0]
+
+
+def test_num_epochs_without_max_steps_derives_the_steps_from_the_dataset(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """step_scheduler.num_epochs (NeMo's key, and remat's): 10 rows in global batches of 4 are 2 steps an epoch (the
+    last 2 rows wait for the next epoch), so 3 epochs train 6 steps; a max_steps written too wins."""
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i} " + "word " * 5}) + "\n" for i in range(10)))
+    sections = {"dataset": {"path": str(data), "format": "text", "packing": False, "seq_length": 32},
+                "checkpoint": {"enabled": False}}
+    recipe = tiny_recipe(tmp_path, **sections)
+    recipe["step_scheduler"] = {"global_batch_size": 4, "local_batch_size": 2, "num_epochs": 3}
+    caplog.set_level("INFO", logger="remat.recipes.finetune")
+    job, result = run(recipe)
+    assert [r.step for r in result.records] == [1, 2, 3, 4, 5, 6] and job.cfg.step_scheduler.max_steps == 6
+    assert "step_scheduler.num_epochs 3 -> max_steps 6 (2 steps of 4 rows per epoch, from 10 rows)" in caplog.text
+    recipe["step_scheduler"]["max_steps"] = 1
+    recipe["output_dir"] = str(tmp_path / "written")
+    _, result = run(recipe)
+    assert [r.step for r in result.records] == [1]

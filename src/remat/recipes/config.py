@@ -104,9 +104,17 @@ class StepSchedulerConfig(StrictModel):
     global_batch_size: PositiveInt = 8
     local_batch_size: PositiveInt = 8
     max_steps: PositiveInt = 100
+    num_epochs: PositiveInt | None = None
+    """Passes over the training rows: ``max_steps`` becomes epochs x (rows // global_batch_size), derived once the
+    dataset is built (and said); a ``max_steps`` written too wins."""
     val_every_steps: PositiveInt | None = None
     val_batches: PositiveInt | None = None
     ckpt_every_steps: PositiveInt | None = None
+
+    @property
+    def steps_from_epochs(self) -> bool:
+        """``max_steps`` is to be derived from ``num_epochs`` (no ``max_steps`` was written)."""
+        return self.num_epochs is not None and "max_steps" not in self.model_fields_set
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> StepSchedulerConfig:

@@ -15,6 +15,7 @@ on by all ranks, and checkpoints are sharded (fsdp2, torch.distributed.checkpoin
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import signal
 import sys
@@ -85,6 +86,9 @@ class RunResult:
         return 128 + self.stop_signal if self.stop_signal is not None else 0
 
 
+logger = logging.getLogger(__name__)
+
+
 class FinetuneRecipe:
     """A fine-tuning run built from a validated ``RecipeConfig``."""
 
@@ -134,6 +138,7 @@ class FinetuneRecipe:
                               key_prefix="validation_dataset")
                 if cfg.validation_dataset is not None else None
             )
+        self.cfg = cfg = _steps_of_epochs(cfg, len(self.train_data))
         # `self.model` stays the transformers (or peft) model, for saving; `compute_loss` is what the step calls.
         self.model = build_recipe_model(cfg, vocab_size=len(self.tokenizer), device=str(self.dist.device))
         self.dist.planned = self.replanner is not None  # `auto`: the planner already gave its notes on the plan
@@ -516,3 +521,24 @@ def _stop_on_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _steps_of_epochs(cfg: RecipeConfig, rows: int) -> RecipeConfig:
+    """``cfg`` with ``step_scheduler.max_steps`` derived from ``num_epochs`` over ``rows`` training rows (the loader
+    drops the rows that do not fill a last global batch), said once; unchanged when ``max_steps`` was written."""
+    sched = cfg.step_scheduler
+    if not sched.steps_from_epochs:
+        if sched.num_epochs is not None:
+            logger.info("step_scheduler.num_epochs %d: max_steps %d, written too, ends the run", sched.num_epochs,
+                        sched.max_steps)
+        return cfg
+    assert sched.num_epochs is not None
+    per_epoch = rows // sched.global_batch_size
+    if per_epoch < 1:
+        raise ConfigError(f"step_scheduler.num_epochs: {rows} training rows do not fill one global batch of "
+                          f"{sched.global_batch_size}; allowed: more data, a smaller global_batch_size, or "
+                          "step_scheduler.max_steps")
+    steps = per_epoch * sched.num_epochs
+    logger.info("step_scheduler.num_epochs %d -> max_steps %d (%d steps of %d rows per epoch, from %d rows)",
+                sched.num_epochs, steps, per_epoch, sched.global_batch_size, rows)
+    return cfg.model_copy(update={"step_scheduler": sched.model_copy(update={"max_steps": steps})})

@@ -334,7 +334,7 @@ def _check_cross_section(cfg: RecipeConfig) -> None:
 
 def _check_schedule(cfg: RecipeConfig) -> None:
     sched, warmup = cfg.step_scheduler, cfg.lr_scheduler.warmup_steps
-    if warmup > sched.max_steps:  # a warning, not an error: short trial runs of a long recipe are common
+    if warmup > sched.max_steps and not sched.steps_from_epochs:  # a warning: short trial runs are common
         _warn_once("lr_scheduler.warmup_steps (%d) is more than step_scheduler.max_steps (%d): the learning rate "
                        "never reaches optimizer.lr in this run", warmup, sched.max_steps)
     if cfg.validation_dataset is None:

@@ -27,9 +27,10 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
   ``match_all_linear: true`` -> ``target_modules: all-linear``;
 - ``wandb`` -> ``logging.wandb``; ``recipe``, ``ci`` and ``compile: {enabled: false}`` are dropped.
 
+``step_scheduler.num_epochs`` is remat's own key too (``max_steps`` derived from the data; one written wins).
+
 Refused, each in one line with the remat spelling: NeMo dataset classes (they fetch from the Hugging Face Hub inside
-NeMo's code; remat reads files), ``step_scheduler.num_epochs`` without ``max_steps``, ``compile.enabled: true``, and
-any other ``_target_`` of ``nemo_automodel``.
+NeMo's code; remat reads files), ``compile.enabled: true``, and any other ``_target_`` of ``nemo_automodel``.
 """
 
 from __future__ import annotations
@@ -296,11 +297,12 @@ def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> Non
 def _schedules(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     sched = out.get("step_scheduler")
     if isinstance(sched, dict) and "num_epochs" in sched:
-        epochs = sched.pop("num_epochs")
+        epochs = sched["num_epochs"]
         if "max_steps" not in sched:
-            refused.append(f"step_scheduler.num_epochs: {epochs} counts epochs; remat counts optimizer steps: write "
-                           "step_scheduler.max_steps (rows of the dataset x epochs / global_batch_size)")
+            said.append(f"step_scheduler.num_epochs {epochs}: the same key (max_steps derived from the dataset's rows "
+                        "and the global batch, said when the data is built)")
         else:
+            sched.pop("num_epochs")
             said.append(f"step_scheduler.num_epochs {epochs}: dropped (max_steps {sched['max_steps']} ends the run)")
     if isinstance(sched, dict) and "gc_every_steps" in sched:
         every = sched.pop("gc_every_steps")
