@@ -320,7 +320,7 @@ def write(results: Sequence[Result], meta: dict[str, Any], out: Path, *, long_co
     ``out``; returns the markdown's path."""
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"].lower()).strip("_")
-    stem = out / f"gpu_{'long_context' if long_context else 'policies'}_{slug}"
+    stem = out / f"{'gpu_long_context' if long_context else meta.get('stem', 'gpu_policies')}_{slug}"
     rows = [{k: v for k, v in dataclasses.asdict(r).items() if k != "profile"}
             | {"median_seconds": r.median_seconds, "tokens_per_second": r.tokens_per_second} for r in results]
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
@@ -361,6 +361,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="after a row's timed steps, run one more under torch.profiler and write its table to "
                              "gpu_profile_<device>.md: row labels, comma-separated (torch-sac for torch's own "
                              "selective row), e.g. selective,torch-sac; the plain loss's rows")
+    parser.add_argument("--stem", default="gpu_policies",
+                        help="the results' file name before _<device> (default gpu_policies)")
     parser.add_argument("--rows", type=lambda text: [x.strip() for x in text.split(";") if x.strip()], default=[],
                         metavar="ROWS", help="only these rows: labels separated by ';' (torch-sac for torch's own "
                                              "selective row); default every row")
@@ -406,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "preset": args.preset, "batch": args.batch, "seq": args.seq,
             "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps,
-            "argv": list(argv if argv is not None else sys.argv[1:]),
+            "argv": list(argv if argv is not None else sys.argv[1:]), "stem": args.stem,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
     def report(r: Result) -> None:

@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_acceptance.sh suite       # on the GPU machine: the whole test suite (CUDA tests included)
 #   bash benchmarks/gpu_acceptance.sh policies    # every checkpointing policy x loss at the seed shape (bench_gpu.py)
 #   bash benchmarks/gpu_acceptance.sh loss        # the fused loss against plain, cut-cross-entropy, liger
+#   bash benchmarks/gpu_acceptance.sh backends    # the seed step with each fused-loss backend forced, and auto's choice
+#   bash benchmarks/gpu_acceptance.sh selective   # remat's and torch's selective checkpointing, one step profiled each
 #   bash benchmarks/gpu_acceptance.sh estimate    # remat's estimate against torch.cuda.max_memory_allocated
 #   bash benchmarks/gpu_acceptance.sh profile     # remat profile: auto at 15/20/25/30 GiB against the uniform policies
 #   bash benchmarks/gpu_acceptance.sh long        # the long-context setting at 512k tokens and on
@@ -65,6 +67,12 @@ part() {
       "$PY" -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "${OUT:-/tmp}/suite.log"; rc=${PIPESTATUS[0]} ;;
     policies) "$PY" benchmarks/bench_gpu.py; rc=$?
       keep_results benchmarks/results/gpu_policies_*.md benchmarks/results/gpu_policies_*.json ;;
+    backends) "$PY" benchmarks/bench_gpu.py --stem gpu_loss_backends --losses plain,fused,fused:torch,fused:liger,fused:cce \
+        --rows "none;full;transformers activation_checkpointing_enable()"; rc=$?
+      keep_results benchmarks/results/gpu_loss_backends_*.md benchmarks/results/gpu_loss_backends_*.json ;;
+    selective) "$PY" benchmarks/bench_gpu.py --stem gpu_selective --losses plain --rows "none;full;selective;torch-sac" \
+        --profile selective,torch-sac; rc=$?
+      keep_results benchmarks/results/gpu_selective_*.md benchmarks/results/gpu_profile_*.md ;;
     long) "$PY" benchmarks/bench_gpu.py --long-context; rc=$?
       keep_results benchmarks/results/gpu_long_context_*.md benchmarks/results/gpu_long_context_*.json ;;
     loss) "$PY" benchmarks/bench_loss_cuda.py; rc=$?
@@ -82,7 +90,7 @@ part() {
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/bench_context_parallel.py; rc=$?
         keep_results benchmarks/results/context_parallel_*.md benchmarks/results/context_parallel_*.json
       fi ;;
-    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels cuda-tests suite policies loss estimate profile long context" >&2
+    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels cuda-tests suite policies loss backends selective estimate profile long context" >&2
        return 2 ;;
   esac
   echo "== gpu_acceptance: $name ended with status $rc after $((SECONDS - start)) s"
@@ -90,7 +98,7 @@ part() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 if [ "$1" = wheels ]; then
