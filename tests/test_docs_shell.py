@@ -65,7 +65,8 @@ COMMANDS: dict[str, str] = {
     "--fits 80GiB": CHECK,
     # docs/gpu.md
     **{f"bash benchmarks/gpu_acceptance.sh {part}": _GPU
-       for part in ("wheels", "cuda-tests", "suite", "policies", "loss", "estimate", "profile", "long")},
+       for part in ("wheels", "cuda-tests", "suite", "policies", "loss", "backends", "selective", "estimate", "profile",
+                    "long")},
     # docs/long-context.md
     "remat estimate --preset llama-3.2-1b --batch-size 1 --dtype bfloat16 --longest --fits 80GiB --compare "
     "--json out.json": CHECK,
