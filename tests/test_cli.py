@@ -194,3 +194,15 @@ def test_a_negative_size_is_answered_by_the_size_rules(argv: list[str], message:
     """argparse would take ``-1GiB`` for an option and answer "expected one argument"."""
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith(message)
+
+
+def test_a_report_png_that_is_a_directory_and_a_workdir_under_a_file_are_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each said before anything loads (they were tracebacks: IsADirectoryError, NotADirectoryError)."""
+    (tmp_path / "run" / "report.png").mkdir(parents=True)
+    assert main(["report", str(tmp_path / "run")]) == 2
+    assert f"error: report: {str(tmp_path / 'run' / 'report.png')!r} is a directory; remat writes a regular file" in \
+        capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["profile", "quickstart", "--workdir", str(tmp_path / "file" / "sub"), "--policies", "none"]) == 2
+    assert f"error: --workdir: {str(tmp_path / 'file' / 'sub')!r} is under the regular file" in capsys.readouterr().err

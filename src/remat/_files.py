@@ -26,6 +26,8 @@ from remat.units import format_bytes
 
 #: How torch's zip writer and safetensors say ENOSPC when they do not raise an OSError.
 _DISK_FULL_TEXTS = ("No space left on device", "os error 28", "PytorchStreamWriter failed writing file")
+#: torch's zip writer finding its file shorter than it wrote (the disk filled during ``torch.save``): every sign at once.
+_SHORT_WRITE_TEXTS = ("inline_container.cc", "unexpected pos")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
@@ -212,7 +214,7 @@ def is_disk_full(err: BaseException) -> bool:
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return True
         text = str(current)
-        if any(sign in text for sign in _DISK_FULL_TEXTS):
+        if any(sign in text for sign in _DISK_FULL_TEXTS) or all(sign in text for sign in _SHORT_WRITE_TEXTS):
             return True
         failures = getattr(current, "failures", None)  # torch.distributed.checkpoint: what each rank raised
         if isinstance(failures, dict) and any(is_disk_full(f[0]) for f in failures.values()

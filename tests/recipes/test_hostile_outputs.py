@@ -116,6 +116,14 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
     assert latest is not None and latest.name == "step_2"
 
 
+def test_torch_s_short_write_when_the_disk_fills_inside_torch_save_is_recognised() -> None:
+    """The trial's full disk inside ``torch.save`` of the optimizer: torch's zip writer says only "unexpected pos"."""
+    from remat._files import is_disk_full
+
+    assert is_disk_full(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1536 vs 1477"))
+    assert not is_disk_full(RuntimeError("unexpected pos in a user's own message"))
+
+
 def test_a_full_disk_on_another_rank_of_a_sharded_save_is_recognised() -> None:
     """torch.distributed.checkpoint wraps each rank's error in a CheckpointException (a BaseException)."""
     import errno

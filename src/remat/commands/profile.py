@@ -74,6 +74,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         raise ConfigError(f"--write-calibration: needs {BASELINE} among --policies (the step without recompute "
                           "that the others' extra time is measured against)")
+    if args.workdir is not None:  # said before anything loads: a path under a regular file, a read-only place
+        from remat.recipes.run_safety.output_paths import check_writable_dir
+
+        check_writable_dir(Path(args.workdir), "--workdir")
     data = load_recipe_data(args.recipe, overrides)
 
     from remat.planner.calibration import make_calibration, write_calibration

@@ -27,6 +27,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     output_dir = Path(args.output_dir)
     if not output_dir.is_dir():  # said before torch and matplotlib load
         raise ConfigError(f"report: {str(output_dir)!r} is not a directory; give a run's output_dir")
+    png_path = output_dir / "report.png"
+    if png_path.is_symlink() or (png_path.exists() and not png_path.is_file()):
+        from remat._files import kind_of
+
+        what = "a symbolic link" if png_path.is_symlink() else kind_of(png_path.stat().st_mode)
+        raise ConfigError(f"report: {str(png_path)!r} is {what}; remat writes a regular file there: move it away")
     from remat.recipes.reports.run_report import write_run_report
     from remat.training_state import find_latest_checkpoint
     latest = find_latest_checkpoint(output_dir / "checkpoints")
