@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from remat.cli import main
+from remat.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,3 +207,19 @@ def test_a_report_png_that_is_a_directory_and_a_workdir_under_a_file_are_one_lin
     (tmp_path / "file").write_text("x")
     assert main(["profile", "quickstart", "--workdir", str(tmp_path / "file" / "sub"), "--policies", "none"]) == 2
     assert f"error: --workdir: {str(tmp_path / 'file' / 'sub')!r} is under the regular file" in capsys.readouterr().err
+
+
+def test_estimate_of_a_directory_without_a_config_says_so_and_an_unusable_cache_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "empty").mkdir()
+    assert main(["estimate", str(tmp_path / "empty")]) == 2
+    assert f"error: model: the directory {str(tmp_path / 'empty')!r} has no config.json; allowed: a model directory" \
+        in capsys.readouterr().err
+    (tmp_path / "home").write_text("a file where the home directory belongs")
+    monkeypatch.delenv("REMAT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    from remat.data.tokenizer import builtin_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^the cache directory '.*home/.cache/remat' cannot be created \(.*\); "
+                                          r"allowed: a writable place, set with REMAT_CACHE_DIR"):
+        builtin_tokenizer(300)

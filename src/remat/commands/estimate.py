@@ -163,6 +163,12 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
 
         return resolve_model(ModelConfig(pretrained_model_name_or_path=source)), dataclasses.replace(
             StepSettings(), **flags)
+    if args.recipe is not None and Path(args.recipe).is_dir():  # not a model directory (model_source said no)
+        config = Path(args.recipe) / "config.json"
+        what = ("has no config.json" if not (config.exists() or config.is_symlink())
+                else f"has a config.json that is not a regular file ({config})")
+        raise ConfigError(f"model: the directory {args.recipe!r} {what}; allowed: a model directory holding its "
+                          "config.json, a config.json path (--config), a Hub id, a preset (--preset) or a YAML recipe")
     if args.recipe is not None:
         if args.preset or args.config:
             raise ConfigError(f"recipe: got {args.recipe!r} as well as --preset / --config; give one of them (a "

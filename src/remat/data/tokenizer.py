@@ -104,7 +104,12 @@ def _wrap_builtin(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
 
 def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     """Write into a private temporary directory, then rename it to `target` (a concurrent winner is kept)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # HOME=/proc, a read-only home, a file where a folder belongs: one line, not a traceback
+        raise ConfigError(f"the cache directory {str(cache_dir())!r} cannot be created ({err.strerror or err}); "
+                          "allowed: a writable place, set with REMAT_CACHE_DIR (the builtin tokenizer is cached "
+                          "there)") from None
     staging = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tokenizer.save_pretrained(str(staging))
