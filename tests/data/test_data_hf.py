@@ -98,3 +98,12 @@ def test_a_saved_dataset_whose_data_file_is_a_link_or_a_split_outside_is_refused
     (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["../ds"]}))
     with pytest.raises(ConfigError, match=r"dataset_dict.json names '../ds', not a plain name"):
         build_dataset(DatasetConfig(path=str(splits), seq_length=4, packing=False), word_tok)
+
+
+def test_a_garbage_arrow_file_is_one_line(word_tok, tmp_path) -> None:
+    path = tmp_path / "ds"
+    datasets.Dataset.from_dict({"text": ["a b"]}).save_to_disk(str(path))
+    (data,) = path.glob("*.arrow")
+    data.write_bytes(b"not arrow at all " * 100)
+    with pytest.raises(ConfigError, match=r"^dataset.path: .* is not a dataset that datasets.load_from_disk reads"):
+        build_dataset(DatasetConfig(path=str(path), seq_length=4, packing=False), word_tok)

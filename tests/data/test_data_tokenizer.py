@@ -147,3 +147,19 @@ def test_an_oversized_tokenizer_file_is_refused_before_it_is_parsed(tmp_path, bu
         with pytest.raises(ConfigError, match=rf"^tokenizer.path: .*tokenizer.json holds {size:,} bytes; allowed: at "
                                               rf"most {size - 1:,}"):
             load_tokenizer_from_path(str(path))
+
+
+def test_a_tokenizer_without_an_unknown_token_is_one_line_at_the_first_word_it_cannot_encode(tmp_path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from remat.data import DatasetConfig, build_dataset
+    from remat.data.tokenizer import load_tokenizer_from_path
+
+    words = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "<eos>": 2}))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "rows.jsonl").write_text('{"text": "a b zzz"}\n')
+    tokenizer = load_tokenizer_from_path(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"^tokenizer: cannot encode the data \(WordLevel error: Missing \[UNK\] "
+                                          r"token from the vocabulary\); allowed: a tokenizer that encodes any text"):
+        build_dataset(DatasetConfig(path=str(tmp_path / "rows.jsonl"), seq_length=8, packing=False), tokenizer)

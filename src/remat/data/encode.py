@@ -25,6 +25,8 @@ from typing import Final
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from remat.errors import ConfigError
+
 PIECE_CHARS: Final[int] = 1 << 17
 """The most characters tokenized in one call for a single long text."""
 GROUP_CHARS: Final[int] = 1 << 20
@@ -64,7 +66,13 @@ def _pieces(text: str, piece_chars: int) -> Iterator[tuple[int, str]]:
 
 
 def _batch(tokenizer: PreTrainedTokenizerBase, texts: list[str], offsets: bool) -> list[EncodedText]:
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets)
+    try:
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets)
+    except Exception as err:  # the tokenizers library raises a bare Exception (e.g. no unknown token for a word)
+        if isinstance(err, (ConfigError, MemoryError, KeyboardInterrupt)):
+            raise
+        raise ConfigError(f"tokenizer: cannot encode the data ({' '.join(str(err).split())[:200]}); allowed: a "
+                          "tokenizer that encodes any text (a vocabulary with an unknown token, or byte-level)") from None
     ids = encoded["input_ids"]
     spans = encoded["offset_mapping"] if offsets else [None] * len(ids)
     out = []

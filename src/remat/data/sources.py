@@ -142,7 +142,12 @@ def _read_hf_dataset(path: Path, split: str, split_given: bool, key_prefix: str)
     import datasets  # imported here: loading `datasets` costs about a second
 
     _check_saved_dataset(path, f"{key_prefix}.path")
-    loaded = datasets.load_from_disk(str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (OSError, ValueError, TypeError, KeyError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise ConfigError(f"{key_prefix}.path: {path} is not a dataset that datasets.load_from_disk reads "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); allowed: a save_to_disk "
+                          "directory, or JSONL") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise ConfigError(
