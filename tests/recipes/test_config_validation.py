@@ -85,6 +85,10 @@ CASES = [
     ("section-not-mapping", with_("step_scheduler", 5), ["step_scheduler", "5"]),
     ("mixed-precision", with_("distributed.mixed_precision", "fp8"),
      ["distributed.mixed_precision", "'fp8'", "'bfloat16', 'float16' or 'float32'"]),
+    # below a second no process group forms: refused here instead of torchrun's stack trace
+    ("collective-timeout", with_("distributed.timeout_s", 1e-9), ["distributed.timeout_s", "greater than or equal to 1",
+                                                                  "1e-09"]),
+    ("init-timeout", with_("distributed.init_timeout_s", 0.001), ["distributed.init_timeout_s", "0.001"]),
 ]
 
 

@@ -286,10 +286,11 @@ class DistributedConfig(StrictModel):
     mixed_precision: Literal[MIXED_PRECISION] | None = None  # type: ignore[valid-type]
     cpu_offload: bool = False
     fsdp_reduce_every_micro_batch: bool = True
-    init_timeout_s: PositiveFloat = 600.0
-    """Joining the process group must finish within this many seconds (a rank that never arrives is an error)."""
-    timeout_s: PositiveFloat | None = None
-    """The collectives' time limit; null: torch's default (30 minutes for gloo, 10 for NCCL)."""
+    init_timeout_s: float = Field(default=600.0, ge=1.0)
+    """Joining the process group must finish within this many seconds (a rank that never arrives is an error); at
+    least 1 s: below that no group forms (torchrun's stack trace, in the trial)."""
+    timeout_s: float | None = Field(default=None, ge=1.0)
+    """The collectives' time limit; null: torch's default (30 minutes for gloo, 10 for NCCL); at least 1 s."""
 
     @model_validator(mode="before")
     @classmethod
