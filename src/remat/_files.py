@@ -26,7 +26,7 @@ from remat.units import format_bytes
 
 #: How torch's zip writer and safetensors say ENOSPC when they do not raise an OSError.
 _DISK_FULL_TEXTS = ("No space left on device", "os error 28", "PytorchStreamWriter failed writing file")
-#: torch's zip writer finding its file shorter than it wrote (the disk filled during ``torch.save``): every sign at once.
+#: torch's zip writer finding its file shorter than it wrote (the disk filled inside ``torch.save``): all signs at once.
 _SHORT_WRITE_TEXTS = ("inline_container.cc", "unexpected pos")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)

@@ -172,5 +172,6 @@ def test_a_model_whose_own_loss_does_not_shift_the_labels_is_refused() -> None:
                                   max_position_embeddings=64, is_decoder=True)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ConfigError, match=r"^loss_fn: BartForCausalLM \(model_type 'bart'\): its own loss does not "
-                                          r"shift the labels .*allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy"):
+                                          r"shift the labels .*allowed: loss_fn._target_: "
+                                          r"remat.loss.MaskedCrossEntropy"):
         verify_output_head(model)

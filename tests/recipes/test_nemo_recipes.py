@@ -68,8 +68,6 @@ def test_the_published_squad_recipe_is_refused_key_by_key() -> None:
     ({"packed_sequence": {"packed_sequence_size": "1k"}}, "packed_sequence.packed_sequence_size: got '1k'; allowed:"),
     ({"dist_env": {"timeout_minutes": "ten"}}, "dist_env.timeout_minutes: got 'ten'; allowed: a positive number"),
     ({"lr_scheduler": {"min_lr": "low"}}, "lr_scheduler.min_lr: got 'low'; allowed: a number >= 0"),
-    ({"peft": {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "exclude_modules": ["*.o_proj"]}},
-     "peft.exclude_modules: ['*.o_proj'] has no remat counterpart"),
     ({"optimizer": {"_target_": "nemo_automodel.components.optim.Fancy"}},
      "optimizer._target_: 'nemo_automodel.components.optim.Fancy' is NeMo AutoModel's own class"),
     ({"distributed": {"pipeline": {"pp_size": 4}}}, "distributed.pipeline: pp_size=4 asks for pipeline parallelism"),
@@ -113,3 +111,35 @@ def test_nemo_keys_that_ask_for_nothing_remat_lacks_are_mapped_or_dropped_with_a
                   "checkpoint.model_save_format torch_save: remat writes safetensors instead",
                   "checkpoint.dequantize_base_checkpoint false: dropped", "step_scheduler.gc_every_steps 100: dropped"):
         assert any(line.startswith(start) for line in said), (start, said)
+
+
+@pytest.mark.parametrize(("source", "expected"), [(None, None), ("SAME", None), ("/data/tokenizer", "/data/tokenizer")])
+def test_nemo_s_auto_tokenizer_is_the_model_s_own_or_a_tokenizer_path(source: str | None,
+                                                                       expected: str | None) -> None:
+    data = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
+    model_source = data["model"].get("pretrained_model_name_or_path")
+    data["tokenizer"] = {"_target_": "nemo_automodel._transformers.auto_tokenizer.NeMoAutoTokenizer.from_pretrained"}
+    if source is not None:
+        data["tokenizer"]["pretrained_model_name_or_path"] = model_source if source == "SAME" else source
+    out, said = from_nemo(data)
+    assert out.get("tokenizer") == ({"path": expected} if expected else None)
+    assert any(line.startswith("tokenizer (NeMoAutoTokenizer") for line in said)
+
+
+def test_nemo_s_wildcard_lora_targets_and_exclusions_adapt_the_modules_they_name() -> None:
+    """peft.target_modules '*_proj' and exclude_modules ['*.o_proj'] (NeMo's wildcards) become PEFT's regular
+    expressions: every projection but o_proj is adapted."""
+    from tiny import tiny_causal_lm
+
+    from remat.recipes.build import apply_lora
+    from remat.recipes.loader import validate_recipe
+
+    data = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
+    data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "target_modules": "*_proj",
+                    "exclude_modules": ["*.o_proj"], "dim": 4, "alpha": 8}
+    out, said = from_nemo(data)
+    assert any(line.startswith("peft.target_modules ['*_proj'] (wildcards) -> the regular expression") for line in said)
+    cfg = validate_recipe(out)
+    model = apply_lora(tiny_causal_lm(hidden_size=32, intermediate_size=64, vocab_size=100), cfg.peft)
+    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if "lora_A" in name}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}, adapted

@@ -72,7 +72,8 @@ def _batch(tokenizer: PreTrainedTokenizerBase, texts: list[str], offsets: bool) 
         if isinstance(err, (ConfigError, MemoryError, KeyboardInterrupt)):
             raise
         raise ConfigError(f"tokenizer: cannot encode the data ({' '.join(str(err).split())[:200]}); allowed: a "
-                          "tokenizer that encodes any text (a vocabulary with an unknown token, or byte-level)") from None
+                          "tokenizer that encodes any text (a vocabulary with an unknown token, or byte-level)"
+                          ) from None
     ids = encoded["input_ids"]
     spans = encoded["offset_mapping"] if offsets else [None] * len(ids)
     out = []

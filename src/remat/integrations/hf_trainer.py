@@ -404,7 +404,8 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
         seq_length = _dataset_length(trainer)
     autocast = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else None
     planner, budget = planner_for_model(
-        model, memory_budget=memory_budget, target=target, spelling=TRAINER, peft=lora_section(trainer.model, caller="prepare_trainer"),
+        model, memory_budget=memory_budget, target=target, spelling=TRAINER,
+        peft=lora_section(trainer.model, caller="prepare_trainer"),
         batch_size=args.per_device_train_batch_size, seq_length=seq_length, autocast=autocast,
         grad_accumulation=args.gradient_accumulation_steps, **_parallel_step(trainer),
         loss="fused" if loss == "fused" else "plain", optimizer="torch.optim.AdamW",

@@ -92,7 +92,7 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
         raise ConfigError(f"peft.r: got {cfg.r}, more than the rank of any linear layer of {type(model).__name__} "
                           f"(at most {full_rank}: min(in, out) features); allowed: 1 to {full_rank}")
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+                      target_modules=cfg.target_modules, exclude_modules=cfg.exclude_modules, task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings():  # peft asks transformers >= 5.2x by its deprecated name; nothing for users
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated",
@@ -135,6 +135,8 @@ def lora_section(model: nn.Module, *, caller: str) -> dict[str, Any] | None:
         raise ConfigError(f"{caller}: policy='auto' cannot model LoRA adapter {name!r} with "
                           f"{', '.join(unmodelled)}; allowed: plain LoRA (r, lora_alpha, lora_dropout, target_modules "
                           "as names or 'all-linear'), or a fixed policy")
+    excluded = getattr(config, "exclude_modules", None)
     return {"method": "lora", "r": int(config.r), "lora_alpha": float(config.lora_alpha),
             "lora_dropout": float(config.lora_dropout),
-            "target_modules": targets if isinstance(targets, str) else sorted(targets)}
+            "target_modules": targets if isinstance(targets, str) else sorted(targets),
+            **({"exclude_modules": excluded if isinstance(excluded, str) else sorted(excluded)} if excluded else {})}

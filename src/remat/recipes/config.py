@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
 from typing import Annotated, Any, Literal
@@ -406,7 +407,24 @@ class PeftConfig(StrictModel):
     r: PositiveInt = 8
     lora_alpha: PositiveFloat = 16.0
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_modules: list[str] | str = "all-linear"
+    """Module names (a list: a module whose name ends with one is adapted), ``all-linear``, or one regular expression
+    that the whole module name must match (PEFT's meaning of a string)."""
+    exclude_modules: list[str] | str | None = None
+    """Modules never adapted, spelt like ``target_modules`` (PEFT's ``exclude_modules``)."""
+
+    @field_validator("target_modules", "exclude_modules")
+    @classmethod
+    def _names_or_pattern(cls, value: list[str] | str | None) -> list[str] | str | None:
+        if isinstance(value, str) and value != "all-linear":
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"{value!r} is not a regular expression ({err}); allowed: module names (a list), "
+                                 "all-linear, or a regular expression matching whole module names") from None
+        if isinstance(value, list) and not all(value):
+            raise ValueError("an empty module name; allowed: module names such as q_proj")
+        return value
 
 
 class RecipeConfig(StrictModel):

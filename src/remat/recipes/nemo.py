@@ -8,6 +8,8 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
 - ``model._target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained`` (or ``.from_config``): the model's
   other keys as they are; ``torch_dtype`` is ``model.dtype`` (``bf16`` -> ``bfloat16``); ``backend`` (NeMo's kernels)
   is dropped: remat runs transformers' attention;
+- ``tokenizer`` (``NeMoAutoTokenizer.from_pretrained`` or transformers' ``AutoTokenizer``): the model's own
+  tokenizer (dropped) or ``tokenizer.path``;
 - ``loss_fn._target_``: NeMo's ``MaskedCrossEntropy`` and ``FusedLinearCrossEntropy`` are remat's of the same names;
 - ``distributed``: ``_target_`` (``FSDP2Manager``, ``DDPManager``) is the strategy, ``dp_size: none`` is null,
   ``pp_size`` / ``ep_size`` 1 and ``sequence_parallel: false`` are dropped (anything else is refused);
@@ -36,6 +38,7 @@ NeMo's code; remat reads files), ``compile.enabled: true``, and any other ``_tar
 from __future__ import annotations
 
 import copy
+import fnmatch
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -139,6 +142,29 @@ def _model(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
             said.append(f"model.torch_dtype {dtype} -> model.dtype {_DTYPES[dtype]}")
     if model.pop("backend", None) is not None:
         said.append("model.backend (NeMo's kernels): dropped; remat runs transformers' attention and layers")
+    _tokenizer(out, model, said, refused)
+
+
+def _tokenizer(out: dict[str, Any], model: Mapping[str, Any], said: list[str], refused: list[str]) -> None:
+    """NeMo's ``tokenizer: {_target_: ...NeMoAutoTokenizer.from_pretrained, pretrained_model_name_or_path: P}``:
+    the model's own tokenizer (remat's default) when P is the model's, else ``tokenizer.path: P``."""
+    section = out.get("tokenizer")
+    target = section.get("_target_") if isinstance(section, dict) else None
+    if not isinstance(target, str) or not target.rsplit(".", 2)[-2:][0].endswith("AutoTokenizer"):
+        return
+    source = section.get("pretrained_model_name_or_path")
+    extra = sorted(set(section) - {"_target_", "pretrained_model_name_or_path", "trust_remote_code"})
+    if extra:
+        refused.append(f"tokenizer: {', '.join(extra)} of {target.rsplit('.', 2)[-2]} have no remat counterpart; "
+                       "allowed: pretrained_model_name_or_path (remat loads that tokenizer as it is)")
+        return
+    if source in (None, model.get("pretrained_model_name_or_path")):
+        del out["tokenizer"]
+        said.append(f"tokenizer ({target.rsplit('.', 2)[-2]} of the model): dropped (remat loads the model's own "
+                    "tokenizer)")
+    else:
+        out["tokenizer"] = {"path": source}
+        said.append(f"tokenizer ({target.rsplit('.', 2)[-2]}) -> tokenizer.path {source}")
 
 
 def _loss(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
@@ -341,10 +367,16 @@ def _peft(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
             peft[new] = peft.pop(old)
     if peft.pop("match_all_linear", False):
         peft["target_modules"] = "all-linear"
-    if peft.get("exclude_modules"):  # a meaning remat's peft section has no key for: never dropped unsaid
-        refused.append(f"peft.exclude_modules: {peft['exclude_modules']!r} has no remat counterpart; allowed: list "
-                       "the modules to adapt in peft.target_modules instead")
-    peft.pop("exclude_modules", None)
+    for key in ("target_modules", "exclude_modules"):
+        patterns = peft.get(key)
+        if isinstance(patterns, str) and patterns != "all-linear":
+            patterns = [patterns]
+        if isinstance(patterns, list) and any(any(c in str(p) for c in "*?[") for p in patterns):
+            peft[key] = "|".join(fnmatch.translate(str(p)) for p in patterns)  # PEFT: a string is one regex
+            said.append(f"peft.{key} {patterns} (wildcards) -> the regular expression {peft[key]!r} over whole "
+                        "module names")
+    if not peft.get("exclude_modules"):
+        peft.pop("exclude_modules", None)
     dropped = [key for key in ("use_triton", "lora_A_init", "dropout_position") if peft.pop(key, None) is not None]
     said.append("peft (NeMo's PeftConfig) -> peft: LoRA through the peft library (dim -> r, alpha -> lora_alpha, "
                 "dropout -> lora_dropout)" + (f"; {', '.join(dropped)} dropped (NeMo's kernels and init)"
