@@ -143,3 +143,15 @@ def test_nemo_s_wildcard_lora_targets_and_exclusions_adapt_the_modules_they_name
     model = apply_lora(tiny_causal_lm(hidden_size=32, intermediate_size=64, vocab_size=100), cfg.peft)
     adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if "lora_A" in name}
     assert adapted == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}, adapted
+
+
+def test_a_command_that_reads_no_data_sets_nemo_s_dataset_builders_aside(caplog: pytest.LogCaptureFixture) -> None:
+    """remat estimate / plan of the published SQuAD recipe: its dataset builders are not read (they would be refused
+    for training), its validation keys go with them, and the rest of the recipe is read as written."""
+    caplog.set_level("INFO", logger="remat.recipes.loader")
+    cfg = load_recipe(HERE / "llama_squad.yaml", ["--model.pretrained_model_name_or_path", "null", "--model.preset",
+                                                   "tiny-llama", "--dataset.seq_length", "128"], data_needed=False)
+    assert cfg.dataset.path is None and cfg.dataset.seq_length == 128 and cfg.validation_dataset is None
+    assert cfg.step_scheduler.val_every_steps is None and cfg.step_scheduler.num_epochs == 1
+    assert "NeMo AutoModel recipe: dataset._target_ make_squad_dataset: not read (this command reads no data)" in (
+        caplog.text)

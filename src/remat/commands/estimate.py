@@ -175,7 +175,7 @@ def _base(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, Any]:
                               "recipe names its model; dotted recipe overrides need a recipe)")
         from remat.recipes.loader import load_recipe
 
-        cfg = load_recipe(args.recipe, overrides)
+        cfg = load_recipe(args.recipe, overrides, data_needed=False)
         if cfg.distributed.auto is not None and "policy" not in flags and not args.compare:
             raise ConfigError("distributed.activation_checkpointing: 'auto' is planned, not estimated: remat plan "
                               f"{args.recipe} prints the plan for its budget with its predicted peak; give --policy "

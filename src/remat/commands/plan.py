@@ -123,7 +123,7 @@ def _recipe_planner(args: argparse.Namespace, overrides: list[str]) -> tuple[Any
     from remat.planner.api import default_target, loss_chooser_for_recipe, planner_for_recipe, recipe_budget
     from remat.recipes.loader import load_recipe
 
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = load_recipe(args.recipe, overrides, data_needed=False)
     target = args.target or default_target(cfg.distributed.device)  # one rule with remat finetune and Python
     budgets = [recipe_budget(cfg, budget, target, key="--budget") for budget in (args.budget or [None])]
     options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}

@@ -229,18 +229,21 @@ def validate_recipe(data: Mapping[str, Any]) -> RecipeConfig:
     return with_model_outputs(cfg)
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RecipeConfig:
-    """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate."""
-    return validate_recipe(load_recipe_data(path, overrides))
+def load_recipe(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = (), *,
+                data_needed: bool = True) -> RecipeConfig:
+    """Read ``path``, apply command-line ``overrides`` (raw ``--key value`` strings or parsed pairs) and validate.
+    ``data_needed=False``: for a command that reads no data (estimate, plan); a NeMo recipe's dataset builders are then
+    set aside instead of refused (`remat.recipes.nemo.from_nemo`)."""
+    return validate_recipe(load_recipe_data(path, overrides, data_needed=data_needed))
 
 
-def load_recipe_data(path: str | Path,
-                     overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
+def load_recipe_data(path: str | Path, overrides: Sequence[str] | Sequence[tuple[str, Any]] = (), *,
+                     data_needed: bool = True) -> dict[str, Any]:
     """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (some mistakes are said from it
     before torch is imported: `remat.commands.finetune`)."""
     data = read_yaml(path)
     if is_nemo_recipe(data):  # NeMo AutoModel's llm_finetune spelling: mapped key by key, or refused with the remat one
-        data, said = from_nemo(data)
+        data, said = from_nemo(data, data_needed=data_needed)
         for line in said:
             logger.info("NeMo AutoModel recipe: %s", line)
     _refuse_runner_only_keys(data, path)

@@ -72,12 +72,15 @@ def is_nemo_recipe(data: Mapping[str, Any]) -> bool:
         isinstance(target, str) and target.startswith(NEMO_PREFIX) for target in _targets(data))
 
 
-def from_nemo(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def from_nemo(data: Mapping[str, Any], *, data_needed: bool = True) -> tuple[dict[str, Any], list[str]]:
     """``data`` in remat's spelling and one line per key mapped or dropped; `ConfigError` with one line per key that
-    cannot be read (what to write instead)."""
+    cannot be read (what to write instead). ``data_needed=False`` (``remat estimate`` / ``plan``, which read no data):
+    NeMo's dataset sections are set aside, their ``seq_length`` kept, instead of refused."""
     out: dict[str, Any] = copy.deepcopy(dict(data))
     said: list[str] = []
     refused: list[str] = []
+    if not data_needed:
+        _data_set_aside(out, said)
     for step in (_top_level, _model, _loss, _distributed, _data, _checkpoint, _schedules, _peft):
         step(out, said, refused)
     leftover = [f"{key}: {target!r}" for key, target in _targets_with_keys(out)
@@ -259,6 +262,29 @@ def _trivial_section(section: dict[str, Any], name: str, said: list[str], refuse
                        "RECIPE says what that layout holds per GPU)")
     else:
         said.append(f"distributed.{name}: dropped (its sizes are 1: nothing remat lacks)")
+
+
+def _data_set_aside(out: dict[str, Any], said: list[str]) -> None:
+    """For a command that reads no data: NeMo's dataset sections (builder classes and their arguments) replaced by
+    their ``seq_length``, the one thing of theirs a step's shape needs."""
+    for key in ("dataset", "validation_dataset"):
+        section = out.get(key)
+        if not (isinstance(section, dict) and isinstance(section.get("_target_"), str)):
+            continue
+        kept = {name: section[name] for name in ("seq_length",) if name in section}
+        out[key] = kept if key == "dataset" else None
+        if key == "dataset":
+            said.append(f"dataset._target_ {section['_target_'].rsplit('.', 1)[-1]}: not read (this command reads no "
+                        "data)" + (f"; seq_length {kept['seq_length']} kept" if kept else "; give the row length with "
+                                   "dataset.seq_length or --seq-length"))
+        else:
+            said.append("validation_dataset: not read (this command reads no data)")
+    if "validation_dataset" in out and out["validation_dataset"] is None:
+        del out["validation_dataset"]
+        sched = out.get("step_scheduler")
+        for key in ("val_every_steps", "val_batches"):  # validation is not part of the step estimated
+            if isinstance(sched, dict):
+                sched.pop(key, None)
 
 
 def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
