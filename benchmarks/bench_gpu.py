@@ -329,7 +329,8 @@ def write(results: Sequence[Result], meta: dict[str, Any], out: Path, *, long_co
     profiled = [r for r in results if r.profile]
     if profiled:
         lines = [f"# One step under torch.profiler on {meta['device']}", "", f"torch {meta['torch']}; "
-                 f"{meta['preset']}, batch {meta['batch']} x {meta['seq']}, {meta['dtype']}; loss {profiled[0].loss}.", ""]
+                 f"{meta['preset']}, batch {meta['batch']} x {meta['seq']}, {meta['dtype']}; "
+                 f"loss {profiled[0].loss}.", ""]
         for r in profiled:
             lines += [f"## {r.label}", "", "```", r.profile or "", "```", ""]
         (out / f"gpu_profile_{slug}.md").write_text("\n".join(lines))
