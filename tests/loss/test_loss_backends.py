@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 import types
 
 import pytest
@@ -156,8 +155,15 @@ def test_unknown_backend_is_a_config_error() -> None:
 
 @pytest.fixture
 def kernels_on_the_cpu(installed, monkeypatch):
-    """The fake kernels made usable on the CPU (the real ones are CUDA-only), each slowed by a given sleep, and
-    remat's own path slowed likewise: the measured choice then has a known answer."""
+    """The fake kernels made usable on the CPU (the real ones are CUDA-only), each taking a given time, and remat's
+    own path likewise: the measured choice then has a known answer. The time is a fake clock that only the delays
+    advance (the calls' real compute time varies with the machine and torch build: a tie measured with sleeps was
+    once lost by 2% on CI)."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(backends, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+
+    def sleep(seconds: float) -> None:
+        clock["now"] += seconds
 
     def install(delays: dict[str, float]) -> dict[str, FakeKernel]:
         kernels = installed(*(name for name in delays if name != "torch"))
@@ -167,7 +173,7 @@ def kernels_on_the_cpu(installed, monkeypatch):
             original = kernel.__call__
 
             def slow(hidden, weight, targets, _original=original, _delay=delays[name], **kwargs):
-                time.sleep(_delay)
+                sleep(_delay)
                 return _original(hidden, weight, targets, **kwargs)
 
             monkeypatch.setattr(kernel, "__call__", slow, raising=False)
@@ -175,7 +181,7 @@ def kernels_on_the_cpu(installed, monkeypatch):
         torch_loss = FusedLinearCrossEntropy._torch_loss
 
         def slow_torch(self, *args, **kwargs):
-            time.sleep(delays.get("torch", 0.0))
+            sleep(delays.get("torch", 0.0))
             return torch_loss(self, *args, **kwargs)
 
         monkeypatch.setattr(FusedLinearCrossEntropy, "_torch_loss", slow_torch)
