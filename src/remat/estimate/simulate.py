@@ -184,6 +184,10 @@ class _SimulationMode(TorchDispatchMode):
         if _all_real(args, kwargs):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
+        if func is _INDEX and any(_real_mask(index) for index in args[1]):
+            # A fake tensor selected by a real boolean mask (the labelled positions, from the real batch): the
+            # positions are known, so the result's shape is too (fake tensors cannot count a mask's true values).
+            args = (args[0], _mask_positions(args[1]))
         if self.balanced_routing and func is _TOPK and isinstance(args[0], FakeTensor):
             return _balanced_topk(*args, **kwargs)
         if self.balanced_routing and func is _ZEROS and _small_integer(args[0], kwargs.get("dtype")):
@@ -203,6 +207,24 @@ class _SimulationMode(TorchDispatchMode):
 
 
 _TOPK: Final[Any] = torch.ops.aten.topk.default
+_INDEX: Final[Any] = torch.ops.aten.index.Tensor
+
+
+def _real_mask(index: Tensor | None) -> bool:
+    return index is not None and index.dtype == torch.bool and not isinstance(index, FakeTensor)
+
+
+def _mask_positions(indices: list[Tensor | None]) -> list[Tensor | None]:
+    """``aten.index``'s indices with each real boolean mask replaced by the positions of its true values, one index
+    tensor per masked dimension (what indexing by a mask means)."""
+    positions: list[Tensor | None] = []
+    for index in indices:
+        if _real_mask(index):
+            with unset_fake_temporarily():
+                positions.extend(index.nonzero(as_tuple=True))  # type: ignore[union-attr]
+        else:
+            positions.append(index)
+    return positions
 _DATA_DEPENDENT: Final[tuple[type[Exception], ...]] = (DynamicOutputShapeException, DataDependentOutputException)
 _ZEROS: Final[Any] = torch.ops.aten.zeros.default
 _REAL_MASK_ELEMENTS: Final[int] = 1 << 24  # integer buffers up to this size are made for real under balanced routing
@@ -278,12 +300,19 @@ def with_cuda_loss_defaults(recipe: RecipeConfig) -> RecipeConfig:
     """The recipe as its loss runs on a GPU: `FusedLinearCrossEntropy` with ``compile`` unset takes the compiled fast
     path there (Triton present, as in every CUDA build of torch with its default dependencies), so the simulation,
     whose fake tensors live on the CPU, asks for that path explicitly. It allocates what the compiled kernel does
-    (`remat.loss.compiled.CompiledChunkMath` never compiles on fake tensors)."""
+    (`remat.loss.compiled.CompiledChunkMath` never compiles on fake tensors). TRL's fused LM head
+    (`remat.loss.trl_head.TRLFusedLMHead`) takes its GPU path likewise (``device_kernels``)."""
     loss = recipe.loss_fn
-    if loss.target != "remat.loss.FusedLinearCrossEntropy" or "compile" in loss.kwargs:
+    knob = CUDA_LOSS_KNOBS.get(loss.target)
+    if knob is None or knob in loss.kwargs:
         return recipe
     fields = loss.model_dump(by_alias=True)
-    return recipe.model_copy(update={"loss_fn": type(loss).model_validate({**fields, "compile": True})})
+    return recipe.model_copy(update={"loss_fn": type(loss).model_validate({**fields, knob: True})})
+
+
+#: The loss classes whose GPU path differs from their CPU path, and the keyword that asks for the GPU path.
+CUDA_LOSS_KNOBS: Final[dict[str, str]] = {"remat.loss.FusedLinearCrossEntropy": "compile",
+                                          "remat.loss.trl_head.TRLFusedLMHead": "device_kernels"}
 
 
 def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = False,

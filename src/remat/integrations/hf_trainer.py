@@ -35,6 +35,7 @@ from remat.checkpointing import (
 from remat.checkpointing.hf_native import disable_hf_checkpointing, is_hf_checkpointing
 from remat.checkpointing.plan import planned_policy
 from remat.errors import ConfigError
+from remat.loss.trl_head import TRLFusedLMHead, trl_forward, trl_head_options
 from remat.loss import FusedLinearCrossEntropy, output_head, verify_output_head
 from remat.memory import StepMemoryMeter
 from remat.planner import ActivationPlan
@@ -160,9 +161,9 @@ def use_fused_loss(model: nn.Module) -> None:
     verify_output_head(model)
     own = model.__dict__.get("forward")
     if own is not None and getattr(own, "__func__", None) is not type(model).forward:
-        code = getattr(getattr(own, "__func__", own), "__code__", None)  # TRL copies the class's name onto its own
-        where = Path(code.co_filename) if code is not None else None
-        if where is not None and "trl" in where.parts:
+        trl = trl_forward(model)  # TRL copies the class's name onto its own
+        if trl is not None:
+            where = Path(trl.__code__.co_filename)
             raise ConfigError(f"loss: TRL's trainer already replaced the forward of {type(model).__name__} with its "
                               f"own loss computation ({where.parent.name}/{where.name}); allowed with this trainer: "
                               "loss='keep' (never two losses)")
@@ -400,19 +401,27 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
     if optimizer is None:
         raise ConfigError(f"prepare_trainer: TrainingArguments.optim {optim!r} is not one the estimate models; "
                           f"allowed with policy='auto': {', '.join(OPTIMIZERS)} (or a fixed policy)")
-    if seq_length is None:
-        seq_length = _dataset_length(trainer)
+    rows = _row_shape(trainer, seq_length)
     autocast = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else None
     planner, budget = planner_for_model(
         model, memory_budget=memory_budget, target=target, spelling=TRAINER,
         peft=lora_section(trainer.model, caller="prepare_trainer"),
-        batch_size=args.per_device_train_batch_size, seq_length=seq_length, autocast=autocast,
-        grad_accumulation=args.gradient_accumulation_steps, **_parallel_step(trainer),
-        loss="fused" if loss == "fused" else "plain", optimizer="torch.optim.AdamW",
+        **rows, autocast=autocast,
+        grad_accumulation=args.gradient_accumulation_steps, **_parallel_step(trainer), **_loss_step(model, loss),
+        optimizer="torch.optim.AdamW",
         optimizer_kwargs={"lr": args.learning_rate, "weight_decay": args.weight_decay, **optimizer},
         clip_grad_norm=args.max_grad_norm or None)
     plan = planner.plan(budget)
     return plan, PlanAdapter(lambda: planner, budget_bytes=budget, policy=plan.policy)
+
+
+def _loss_step(model: nn.Module, loss: str) -> dict[str, Any]:
+    """The loss of the planned step: TRL's fused LM head where TRL's trainer installed it on the model (its own
+    code, `TRLFusedLMHead`), else remat's fused loss or the model's plain cross-entropy."""
+    options = trl_head_options(model)
+    if options is not None:
+        return {"loss": f"{TRLFusedLMHead.__module__}.{TRLFusedLMHead.__name__}", "loss_kwargs": options}
+    return {"loss": "fused" if loss == "fused" else "plain"}
 
 
 def _parallel_step(trainer: Any) -> dict[str, Any]:
@@ -437,19 +446,50 @@ def _check_plannable_step(trainer: Any) -> None:
         raise ConfigError(f"policy: 'auto' plans the causal-LM step of Trainer and TRL's SFTTrainer; "
                           f"{trl_classes[0]} runs another step (its own rows and models), which the planner does not "
                           "model; allowed with it: a fixed policy such as 'full' or 'selective'")
+    if trl_classes and trl_head_options(_base_model(trainer.model)) is not None:
+        # TRL's SFT step with its fused LM head is planned (TRLFusedLMHead); these options add a second forward.
+        extra = ("compute_loss_func" if getattr(trainer, "compute_loss_func", None) is not None else
+                 "label_smoothing_factor" if getattr(trainer, "label_smoother", None) is not None else None)
+        if extra is not None:
+            raise ConfigError(f"policy: 'auto' plans SFTTrainer's step with TRL's fused LM head; with {extra} TRL "
+                              "runs the model's full logits and a second forward for its metrics, which the planner "
+                              "does not model; allowed with it: a fixed policy such as 'full' or 'selective'")
 
 
-def _dataset_length(trainer: Any) -> int:
-    """The token length of the Trainer's rows when its train dataset's first row gives one; else a ConfigError
-    asking for ``seq_length=``."""
+def _row_shape(trainer: Any, seq_length: int | None) -> dict[str, int]:
+    """The micro-batch the Trainer's collator makes, for the planner: ``per_device_train_batch_size`` rows of
+    ``seq_length`` tokens (default: the train dataset's longest row, to which the collator pads a batch), or, where
+    TRL's collator is padding-free (``padding_free``, or packing with the ``bfd`` strategies), those rows concatenated
+    into one row of as many documents."""
+    batch = int(trainer.args.per_device_train_batch_size)
+    if seq_length is None:
+        seq_length, where = _dataset_length(trainer)
+    else:
+        where = "seq_length="
+    if getattr(trainer, "padding_free", False):
+        logger.info("prepare_trainer: planning for one padding-free row of %d x %d tokens (%s; the collator "
+                    "concatenates the micro-batch's rows)", batch, seq_length, where)
+        return {"batch_size": 1, "seq_length": batch * seq_length, "documents_per_row": batch}
+    logger.info("prepare_trainer: planning for rows of %d tokens (%s; pass seq_length= to plan for another length)",
+                seq_length, where)
+    return {"batch_size": batch, "seq_length": seq_length}
+
+
+def _dataset_length(trainer: Any) -> tuple[int, str]:
+    """The token length of the Trainer's longest row (a ``datasets.Dataset`` with ``input_ids``: read from its Arrow
+    column without loading the rows) or of its first row (any other indexable dataset), and where it came from; else
+    a ConfigError asking for ``seq_length=``."""
     dataset = getattr(trainer, "train_dataset", None)
+    length, where = None, "the train dataset's first row"
     try:
-        length = len(dataset[0]["input_ids"])  # type: ignore[index]
-    except Exception:  # noqa: BLE001 (any dataset without indexable token rows)
-        length = None
+        column = dataset.data.column("input_ids")  # type: ignore[union-attr]
+        import pyarrow.compute as pc
+
+        length, where = pc.max(pc.list_value_length(column)).as_py(), "the train dataset's longest row"
+    except Exception:  # noqa: BLE001 (not an Arrow-backed datasets.Dataset with token rows)
+        with contextlib.suppress(Exception):
+            length = len(dataset[0]["input_ids"])  # type: ignore[index]
     if not length:
         raise ConfigError("seq_length: needed for policy='auto' (the planner plans for one row length), and the "
                           "Trainer's train_dataset gives none; allowed: prepare_trainer(..., seq_length=2048)")
-    logger.info("prepare_trainer: planning for rows of %d tokens (the train dataset's first row; pass seq_length= to "
-                "plan for another length)", length)
-    return int(length)
+    return int(length), where

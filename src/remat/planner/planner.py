@@ -360,7 +360,7 @@ class Planner:
             helps.append(words.fsdp)
         elif s.world_size > 1:
             helps.append(words.more_ranks.format(ranks=s.world_size))
-        if LOSS_TARGETS.get(s.loss, s.loss) != LOSS_TARGETS["fused"]:
+        if LOSS_TARGETS.get(s.loss, s.loss) == LOSS_TARGETS["plain"]:  # not a loss that holds no logits already
             helps.append(words.fused_loss)
         if s.seq_length > 2:
             helps.append(words.seq_length.format(now=s.seq_length))
