@@ -43,14 +43,20 @@ def hub_config_file(hub_id: str, key: str) -> str:
     return str(path)
 
 
-def hub_load_error(key: str, hub_id: str, action: str, err: Exception, hint: str = "") -> ConfigError:
+def hub_load_error(key: str, hub_id: str, action: str, err: Exception, hint: str = "", *,
+                   repo_type: str = "model") -> ConfigError:
     """One line: ``KEY: cannot ACTION for the Hub id ID (what to do; HINT): REASON``."""
     from huggingface_hub import constants
 
     where = f"the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if repo_type == "dataset":
+        import datasets
+
+        where = f"the Hugging Face datasets cache ({datasets.config.HF_DATASETS_CACHE})"
+    download = f"hf download {hub_id}" if repo_type == "model" else \
+        f"python -c \"import datasets; datasets.load_dataset('{hub_id}')\""
     if constants.is_offline_mode():
-        advice = f"HF_HUB_OFFLINE is set and {hub_id!r} is not in {where}: download it while online (`hf download " \
-                 f"{hub_id}`)"
+        advice = f"HF_HUB_OFFLINE is set and {hub_id!r} is not in {where}: download it while online (`{download}`)"
     else:
         advice = f"check the id, your network and, for gated models, your token (`hf auth login`); cache: {where}"
     reason = " ".join(str(err).split())  # transformers' and huggingface_hub's messages span several lines

@@ -4,6 +4,8 @@ instead (`remat.recipes.nemo`)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,15 +49,69 @@ def test_a_nemo_recipe_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert [r.step for r in result.records] == [1] and result.records[0].loss > 0
 
 
-def test_the_published_squad_recipe_is_refused_key_by_key() -> None:
+def test_the_published_squad_recipe_reads_as_written(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="remat.recipes.loader")
+    cfg = load_recipe(HERE / "llama_squad.yaml")
+    train, validation = cfg.dataset, cfg.validation_dataset
+    assert (train.path, train.template, train.split, train.packing) == ("rajpurkar/squad", "squad", "train", False)
+    assert (validation.path, validation.split, validation.max_samples) == ("rajpurkar/squad", "validation", 64)
+    assert ("NeMo AutoModel recipe: validation_dataset._target_ make_squad_dataset -> validation_dataset.template squad "
+            "(dataset_name -> path; limit_dataset_samples -> max_samples (the first rows, as NeMo's slice))") in (
+        caplog.text)
+
+
+def test_the_squad_recipe_trains_three_steps_from_a_datasets_cache(tmp_path: Path) -> None:
+    """The user's path: ``remat finetune`` of the NeMo recipe, offline, its rajpurkar/squad read from the datasets
+    cache (tiny stand-in rows), its model swapped for the tiny preset on the command line."""
+    from hub_datasets import SQUAD_ROWS, cache_hub_dataset
+    from processes import run_bounded
+
+    cache_hub_dataset(tmp_path / "hf" / "datasets", "rajpurkar/squad",
+                      {"train": SQUAD_ROWS, "validation": SQUAD_ROWS[:6]}, config="plain_text")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "REMAT_CACHE_DIR": str(tmp_path / "remat-cache")}
+    env.pop("HF_DATASETS_CACHE", None)
+    proc = run_bounded([sys.executable, "-m", "remat.cli", "finetune", str(HERE / "llama_squad.yaml"),
+                        "--model.pretrained_model_name_or_path", "null", "--model.preset", "tiny-llama",
+                        "--distributed.strategy", "single", "--step_scheduler.max_steps", "3",
+                        "--step_scheduler.global_batch_size", "4", "--step_scheduler.local_batch_size", "2",
+                        "--step_scheduler.val_every_steps", "3", "--dataset.seq_length", "64",
+                        "--output_dir", str(tmp_path / "run")], env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "| loss " in line]
+    assert len(steps) == 3, proc.stdout
+    assert "dataset.path: the Hub dataset rajpurkar/squad[train], 24 rows (from the HF cache, offline)" in proc.stderr
+    assert "validation_dataset: 6 documents (messages)" in proc.stderr  # the tokenizer's chat template, as NeMo
+
+
+def test_nemo_s_dataset_builders_map_to_templates_and_what_remat_lacks_is_listed_at_once() -> None:
+    builder = "nemo_automodel.components.datasets.llm."
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["dataset"] = {"_target_": builder + "hellaswag.HellaSwag", "path_or_dataset": "rowan/hellaswag",
+                       "split": "train", "num_samples_limit": 100, "pad_to_max_length": False}
+    data["validation_dataset"] = {
+        "_target_": builder + "column_mapped_text_instruction_dataset.ColumnMappedTextInstructionDataset",
+        "path_or_dataset_id": "./sample-datasets/prompt_completion/validation.jsonl", "split": "train",
+        "column_mapping": {"question": "prompt", "answer": "completion"}, "answer_only_loss_mask": True,
+        "padding": "do_not_pad", "truncation": "longest_first", "seq_length": 2048}
+    out, said = from_nemo(data)
+    assert out["dataset"] == {"path": "rowan/hellaswag", "template": "hellaswag", "packing": False, "split": "train",
+                              "max_samples": 100, "shuffle": False}
+    assert out["validation_dataset"] == {
+        "path": "./sample-datasets/prompt_completion/validation.jsonl", "template": "columns", "packing": False,
+        "seq_length": 2048, "column_mapping": {"question": "prompt", "answer": "completion"},
+        "use_chat_template": False}
+    assert any(line.startswith("validation_dataset._target_ ColumnMappedTextInstructionDataset -> validation_dataset."
+                               "template columns (path_or_dataset_id -> path; split 'train' dropped") for line in said)
+    data["dataset"].update(chat_template="{{ messages }}", streaming=True)
+    data["validation_dataset"].update(answer_only_loss_mask=False)
+    data["packed_sequence"] = {"packed_sequence_size": "1k"}
     with pytest.raises(ConfigError) as info:
-        load_recipe(HERE / "llama_squad.yaml")
-    first, *lines = str(info.value).splitlines()
-    assert first == "a NeMo AutoModel recipe with keys remat cannot read as written:"
-    assert any(line.startswith("dataset._target_: 'nemo_automodel.components.datasets.llm.squad.make_squad_dataset' "
-                               "is NeMo's dataset code") and "save_to_disk" in line for line in lines)
-    assert any(line.startswith("validation_dataset._target_:") for line in lines)
-    assert len(lines) == 2, lines  # num_epochs is remat's key too: the data alone is refused
+        from_nemo(data)
+    lines = str(info.value).splitlines()[1:]
+    assert [line.split(":")[0] for line in lines] == [
+        "dataset.chat_template", "dataset.streaming", "validation_dataset.answer_only_loss_mask",
+        "packed_sequence.packed_sequence_size"], lines
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from remat.config_base import StrictModel
 
 DatasetFormat = Literal["auto", "text", "prompt_completion", "messages"]
+#: How each raw row becomes a prompt and an answer (`remat.data.templates`): the layouts of SQuAD and HellaSwag, or
+#: named columns (``column_mapping``).
+RowTemplate = Literal["squad", "hellaswag", "columns"]
+#: The roles ``column_mapping`` may name (NeMo's column-mapped instruction data): ``answer`` and at least one other.
+COLUMN_ROLES: tuple[str, ...] = ("context", "question", "answer")
 
 MIN_BUILTIN_VOCAB = 512
 MAX_BUILTIN_VOCAB = 65536
@@ -45,12 +50,20 @@ class TokenizerConfig(StrictModel):
 class DatasetConfig(StrictModel):
     """Which rows to read, how to interpret them, and how to cut them into training examples.
 
-    `path`: None for the builtin corpus; a `.jsonl` file, a list of them, a directory of `.jsonl` files, or a
-    directory written by `datasets.Dataset(Dict).save_to_disk`. Existence is checked when the dataset is built.
+    `path`: None for the builtin corpus; a `.jsonl` file, a list of them, a directory of `.jsonl` files, a
+    directory written by `datasets.Dataset(Dict).save_to_disk`, or a Hugging Face Hub dataset id (``org/name``, with
+    ``name`` its configuration; loaded by `datasets.load_dataset`, from the HF cache when offline). Existence is
+    checked when the dataset is built. `template` turns each raw row into a prompt and an answer (SQuAD's and
+    HellaSwag's layouts, or `column_mapping`'s columns), as a chat when the tokenizer has a chat template and
+    `use_chat_template` is not false (`remat.data.templates`).
     """
 
     path: str | list[str] | None = None
+    name: str | None = None
     format: DatasetFormat = "auto"
+    template: RowTemplate | None = None
+    column_mapping: dict[str, str] | None = None
+    use_chat_template: bool | None = None
     split: str | None = None
     text_field: str = "text"
     prompt_field: str = "prompt"
@@ -74,7 +87,34 @@ class DatasetConfig(StrictModel):
             raise ValueError("must be a path, a list of paths, or null for the builtin corpus; got ''")
         return value
 
-    @field_validator("split", "text_field", "prompt_field", "completion_field", "messages_field")
+    @field_validator("column_mapping")
+    @classmethod
+    def _known_roles(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        unknown = sorted(set(value) - set(COLUMN_ROLES))
+        if unknown:
+            raise ValueError(f"role {unknown[0]!r} is not one remat maps; allowed roles: {', '.join(COLUMN_ROLES)}")
+        if "answer" not in value or len(value) < 2:
+            raise ValueError(f"got roles {sorted(value)}; allowed: 'answer' and 'context' and/or 'question'")
+        return value
+
+    @model_validator(mode="after")
+    def _template_fits(self) -> DatasetConfig:
+        if self.template is not None and self.format not in ("auto", "prompt_completion", "messages"):
+            raise ValueError(f"format: {self.format!r} with template {self.template!r}; a template makes prompts and "
+                             "answers: allowed format: auto")
+        if (self.template == "columns") != (self.column_mapping is not None):
+            raise ValueError("template: 'columns' and column_mapping go together; allowed: template: columns with "
+                             "column_mapping: {context: COL, question: COL, answer: COL}, or neither")
+        if self.template is not None and self.path is None:
+            raise ValueError(f"template: {self.template!r} needs a dataset path (a Hub id or files with those columns); "
+                             "the builtin corpus is plain text")
+        if self.name is not None and not isinstance(self.path, str):
+            raise ValueError("name: a Hub dataset's configuration needs one path (the Hub id); allowed: path: ORG/NAME")
+        return self
+
+    @field_validator("split", "name", "text_field", "prompt_field", "completion_field", "messages_field")
     @classmethod
     def _name_not_blank(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():

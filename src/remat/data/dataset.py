@@ -13,6 +13,7 @@ from remat.data.config import DatasetConfig
 from remat.data.formats import detect_format, encode_rows
 from remat.data.packing import IGNORE_INDEX, Rows, pack_documents, pad_documents, rows_with_targets
 from remat.data.sources import iter_rows, no_rows_message
+from remat.data.templates import COMPLETION, MESSAGES, PROMPT, apply_template
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,16 @@ def _cut(documents: list, cfg: DatasetConfig, tokenizer: PreTrainedTokenizerBase
     return rows
 
 
+def _chat(cfg: DatasetConfig, tokenizer: PreTrainedTokenizerBase, key_prefix: str) -> bool:
+    """Whether a template's rows are conversations: ``use_chat_template``, or (unset) whether the tokenizer has a chat
+    template, as NeMo AutoModel's builders decide."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if cfg.use_chat_template and not has_template:
+        raise ConfigError(f"{key_prefix}.use_chat_template: true, and the tokenizer has no chat template; allowed: "
+                          "false or unset (prompt and answer as text)")
+    return has_template if cfg.use_chat_template is None else cfg.use_chat_template
+
+
 def build_dataset(
     cfg: DatasetConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -100,6 +111,11 @@ def build_dataset(
             "allowed 'auto' or 'text'"
         )
     raw_rows = iter_rows(cfg, default_split=default_split, key_prefix=key_prefix)
+    if cfg.template is not None:
+        raw_rows, templated = apply_template(raw_rows, cfg, chat=_chat(cfg, tokenizer, key_prefix),
+                                             key_prefix=key_prefix)
+        cfg = cfg.model_copy(update={"format": templated, "prompt_field": PROMPT, "completion_field": COMPLETION,
+                                     "messages_field": MESSAGES})
     first = next(raw_rows, None)
     if first is None:
         raise ConfigError(no_rows_message(cfg, key_prefix))

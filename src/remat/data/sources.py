@@ -5,8 +5,10 @@ Every row keeps a human-readable location ("data.jsonl line 7", "ds[train] row 3
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import logging
 import re
 import sys
 from collections.abc import Iterator, Mapping
@@ -18,6 +20,9 @@ from remat._files import open_regular, read_regular_bytes
 from remat.data.config import DatasetConfig
 from remat.data.corpus import builtin_documents
 from remat.errors import ConfigError
+from remat.hub import hub_load_error, is_hub_id
+
+logger = logging.getLogger(__name__)
 
 _HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 _JSONL_SUFFIX = ".jsonl"
@@ -175,14 +180,68 @@ def _jsonl_files_in(directory: Path, key: str) -> list[Path]:
     return files
 
 
-_ALLOWED_PATHS = f"a {_JSONL_SUFFIX} file, a directory of them, or a datasets.save_to_disk directory"
+_ALLOWED_PATHS = (f"a {_JSONL_SUFFIX} file, a directory of them, a datasets.save_to_disk directory, or a Hugging "
+                  "Face Hub dataset id (org/name)")
+#: File suffixes that mark a path as a file name, never a Hub dataset id.
+_FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
+
+
+def is_hub_dataset(raw: str) -> bool:
+    """Whether a ``dataset.path`` that is not on the local disk names a Hugging Face Hub dataset: shaped like a Hub
+    id (``org/name`` or ``name``), not like a file name or an explicit path (``./``, ``/``, ``~``)."""
+    return (not Path(raw).expanduser().exists() and is_hub_id(raw)
+            and not raw.lower().endswith(_FILE_SUFFIXES))
+
+
+@contextlib.contextmanager
+def _datasets_quiet() -> Iterator[None]:
+    """The datasets library's own warnings (which cached copy it found, in two lines) and progress bars off while it
+    loads: remat says where the rows came from in one line."""
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    bars = datasets.utils.are_progress_bars_disabled()
+    datasets.logging.set_verbosity_error()
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars:
+            datasets.utils.enable_progress_bars()
+
+
+def _read_hub_dataset(hub_id: str, cfg: DatasetConfig, split: str, key_prefix: str, key: str) -> Iterator[RawRow]:
+    """The rows of a Hub dataset's split, loaded by `datasets.load_dataset` (downloaded once into the HF cache, read
+    from it offline). The datasets library runs no code of a dataset's (scripts are refused by it), and remat asks for
+    none: one line when it cannot be loaded."""
+    import datasets
+
+    try:
+        with _datasets_quiet():
+            loaded = datasets.load_dataset(hub_id, cfg.name, split=split)
+    except (OSError, ValueError, RuntimeError, TypeError) as err:  # ConnectionError and DatasetNotFoundError are OSError
+        message = " ".join(str(err).split())
+        if "Unknown split" in message or "Bad split" in message:
+            raise ConfigError(f"{key_prefix}.split: {split!r} is not a split of the Hub dataset {hub_id!r} "
+                              f"({message[:300]})") from None
+        if "scripts are no longer supported" in message:
+            raise ConfigError(f"{key}: the Hub dataset {hub_id!r} is a loading script, which is code; remat runs no "
+                              "dataset's code: allowed: a Hub dataset of data files (Parquet, JSON, CSV)") from None
+        config = f" (configuration {cfg.name!r})" if cfg.name else ""
+        raise hub_load_error(key, hub_id, f"load the dataset{config}", err, repo_type="dataset") from None
+    label = f"{hub_id}{f'/{cfg.name}' if cfg.name else ''}[{split}]"
+    logger.info("%s: the Hub dataset %s, %d rows (%s)", key, label, len(loaded),
+                "from the HF cache, offline" if datasets.config.HF_HUB_OFFLINE else "downloaded or cached")
+    for index, data in enumerate(loaded):
+        yield RawRow(data, f"{label} row {index}")
 
 
 def check_paths_exist(cfg: DatasetConfig, key_prefix: str = "dataset") -> None:
     """ConfigError naming the key when a path of the section does not exist (light: the command line checks it
     before torch loads; reading the rows checks it again)."""
     for raw, key in zip(cfg.paths or [], _path_keys(cfg, key_prefix), strict=False):
-        if not Path(raw).expanduser().exists():
+        if not Path(raw).expanduser().exists() and not is_hub_dataset(raw):
             raise ConfigError(f"{key}: {raw!r} does not exist; expected {_ALLOWED_PATHS}")
 
 
@@ -195,6 +254,12 @@ def _path_keys(cfg: DatasetConfig, key_prefix: str) -> list[str]:
 def _rows_of_path(raw: str, cfg: DatasetConfig, split: str, key_prefix: str, key: str) -> Iterator[RawRow]:
     path = Path(raw).expanduser()
     allowed = _ALLOWED_PATHS
+    if is_hub_dataset(raw):
+        yield from _read_hub_dataset(raw, cfg, split, key_prefix, key)
+        return
+    if cfg.name is not None:
+        raise ConfigError(f"{key_prefix}.name: {cfg.name!r} is a Hub dataset's configuration; {raw!r} is on the local "
+                          "disk; allowed: remove the key, or path: a Hub dataset id")
     if not path.exists():
         raise ConfigError(f"{key}: {raw!r} does not exist; expected {allowed}")
     if _is_hf_dataset_dir(path):

@@ -31,8 +31,12 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
 
 ``step_scheduler.num_epochs`` is remat's own key too (``max_steps`` derived from the data; one written wins).
 
-Refused, each in one line with the remat spelling: NeMo dataset classes (they fetch from the Hugging Face Hub inside
-NeMo's code; remat reads files), ``compile.enabled: true``, and any other ``_target_`` of ``nemo_automodel``.
+- ``dataset`` / ``validation_dataset`` built by NeMo's SQuAD, HellaSwag and column-mapped builders (`_BUILDERS`): the
+  same Hub dataset or file with remat's ``template`` of the same layout (`remat.data.templates`), each argument
+  mapped, dropped with its reason, or refused by name (`_builder`).
+
+Refused, each in one line with the remat spelling: NeMo's other dataset classes, ``compile.enabled: true``, and any
+other ``_target_`` of ``nemo_automodel``.
 """
 
 from __future__ import annotations
@@ -61,9 +65,23 @@ _DTYPES: Final[dict[str, str]] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "t
                                   "fp16": "float16", "float16": "float16", "torch.float16": "float16",
                                   "fp32": "float32", "float32": "float32", "torch.float32": "float32"}
 _DATASET_HELP: Final[str] = (
-    "remat reads training data from files: save the split once with the datasets library "
-    "(load_dataset(NAME, split=SPLIT).save_to_disk(DIR)) or as JSONL, and write {key}: {{path: DIR, format: "
-    "prompt_completion (with prompt_field / completion_field), messages or text}}")
+    "remat reads a Hub dataset id, a datasets save_to_disk directory or JSONL: write {key}: {{path: ORG/NAME or DIR, "
+    "split: SPLIT, format: prompt_completion (with prompt_field / completion_field), messages or text}}, or "
+    "template: squad, hellaswag or columns (with column_mapping) for NeMo's SQuAD, HellaSwag and column-mapped "
+    "layouts")
+_BUILDER_PREFIX: Final[str] = "nemo_automodel.components.datasets.llm."
+#: NeMo's dataset builders remat reads (`remat.data.templates`): the template, and the argument naming the data.
+_BUILDERS: Final[dict[str, tuple[str, str]]] = {
+    _BUILDER_PREFIX + "squad.make_squad_dataset": ("squad", "dataset_name"),
+    _BUILDER_PREFIX + "hellaswag.HellaSwag": ("hellaswag", "path_or_dataset"),
+    _BUILDER_PREFIX + "column_mapped_text_instruction_dataset.ColumnMappedTextInstructionDataset":
+        ("columns", "path_or_dataset_id"),
+}
+#: Each template's own builder argument, for the message that lists what a builder's section may hold.
+_OWN_ARG: Final[dict[str, str]] = {"squad": "limit_dataset_samples", "hellaswag": "num_samples_limit",
+                                   "columns": "column_mapping, name, limit_dataset_samples, use_hf_chat_template"}
+#: Builder arguments about padding and truncation: remat cuts its rows to dataset.seq_length itself.
+_CUTTING_ARGS: Final[tuple[str, ...]] = ("padding", "truncation", "pad_to_max_length", "fp8")
 
 
 def is_nemo_recipe(data: Mapping[str, Any]) -> bool:
@@ -291,9 +309,11 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     for key in ("dataset", "validation_dataset"):
         section = out.get(key)
         target = section.get("_target_") if isinstance(section, dict) else None
-        if isinstance(target, str):
-            refused.append(f"{key}._target_: {target!r} is NeMo's dataset code (it fetches from the Hugging Face "
-                           f"Hub); {_DATASET_HELP.format(key=key)}")
+        if isinstance(target, str) and target in _BUILDERS:
+            out[key] = _builder(key, section, said, refused)
+        elif isinstance(target, str):
+            refused.append(f"{key}._target_: {target!r} is NeMo's dataset code, which remat has no counterpart for; "
+                           f"{_DATASET_HELP.format(key=key)}")
             del section["_target_"]  # said once, here
     packed = out.pop("packed_sequence", None)
     size_value = packed.get("packed_sequence_size") if isinstance(packed, Mapping) else None
@@ -318,6 +338,68 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
             out[dataset_key]["shuffle"] = bool(section["shuffle"])
         said.append(f"{loader}: remat's own loader and collation" +
                     (f" (shuffle -> {dataset_key}.shuffle)" if "shuffle" in section else ""))
+
+
+def _builder(key: str, section: dict[str, Any], said: list[str], refused: list[str]) -> dict[str, Any]:
+    """A NeMo dataset builder's section as remat's dataset section: the same rows, prompts and answers
+    (`remat.data.templates`), each argument mapped, dropped with its reason, or refused by name."""
+    args = {name: value for name, value in section.items() if name != "_target_"}
+    builder = section["_target_"].rsplit(".", 1)[-1]
+    template, source = _BUILDERS[section["_target_"]]
+    path = args.pop(source, "squad" if template == "squad" else None)
+    if not isinstance(path, str) or not path.strip():
+        refused.append(f"{key}.{source}: got {path!r}; allowed: a Hub dataset id or a local file ({builder})")
+        path = "missing"
+    mapped: dict[str, Any] = {"path": path, "template": template, "packing": False}  # packed_sequence packs
+    notes = [f"{source} -> path"]
+    split = args.pop("split", "train")
+    local = path.startswith((".", "/", "~")) or path.endswith((".jsonl", ".json"))
+    if local:
+        notes.append(f"split {split!r} dropped (a local file has no splits)")
+    else:
+        mapped["split"] = split
+    for limit in ("limit_dataset_samples", "num_samples_limit"):
+        if args.get(limit) is not None:
+            mapped["max_samples"] = args.pop(limit)
+            notes.append(f"{limit} -> max_samples (the first rows, as NeMo's slice)")
+        args.pop(limit, None)
+    if args.get("seq_length") is not None:
+        mapped["seq_length"] = args.pop("seq_length")
+        notes.append("seq_length kept")
+    args.pop("seq_length", None)
+    if template == "columns":
+        if "column_mapping" in args:
+            mapped["column_mapping"] = args.pop("column_mapping")
+        if args.get("name") is not None:
+            mapped["name"] = args.pop("name")
+        args.pop("name", None)
+        # NeMo renders a chat only when asked (and the tokenizer has a template); remat's unset is the same "when
+        # the tokenizer has one".
+        mapped["use_chat_template"] = None if args.pop("use_hf_chat_template", False) else False
+    cutting = [name for name in _CUTTING_ARGS if name in args]
+    for name in cutting:
+        del args[name]
+    if cutting:
+        notes.append(f"{', '.join(cutting)} dropped (remat cuts rows to seq_length itself: packed, or padded)")
+    if args.pop("answer_only_loss_mask", True) is not True:
+        refused.append(f"{key}.answer_only_loss_mask: false; remat's templates put the loss on the answer only; "
+                       "allowed: true (or remove it), or a text dataset (format: text) for a loss on every token")
+    if "tokenizer" in args:
+        del args["tokenizer"]
+        notes.append("tokenizer dropped (the recipe's tokenizer tokenizes the rows)")
+    if "shuffle_seed" in args:
+        del args["shuffle_seed"]
+        notes.append("shuffle_seed dropped (remat shuffles with the recipe's seed)")
+    if "chat_template" in args:
+        del args["chat_template"]
+        refused.append(f"{key}.chat_template: a template of the builder's own; remat renders chats with the "
+                       "tokenizer's chat template (tokenizer_config.json); allowed: remove the key")
+    for name in args:
+        refused.append(f"{key}.{name}: an argument of NeMo's {builder} that remat has no counterpart for; allowed "
+                       f"with template {template!r}: {source}, split, seq_length, {_OWN_ARG[template]}, padding, "
+                       "truncation")
+    said.append(f"{key}._target_ {builder} -> {key}.template {template} ({'; '.join(notes)})")
+    return mapped
 
 
 def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
