@@ -56,7 +56,7 @@ def test_the_published_squad_recipe_reads_as_written(caplog: pytest.LogCaptureFi
     assert (train.path, train.template, train.split, train.packing) == ("rajpurkar/squad", "squad", "train", False)
     assert (validation.path, validation.split, validation.max_samples) == ("rajpurkar/squad", "validation", 64)
     assert ("NeMo AutoModel recipe: validation_dataset._target_ make_squad_dataset -> validation_dataset.template squad "
-            "(dataset_name -> path; limit_dataset_samples -> max_samples (the first rows, as NeMo's slice))") in (
+            "(dataset_name -> path; limit_dataset_samples -> max_samples)") in (
         caplog.text)
 
 
@@ -112,6 +112,44 @@ def test_nemo_s_dataset_builders_map_to_templates_and_what_remat_lacks_is_listed
     assert [line.split(":")[0] for line in lines] == [
         "dataset.chat_template", "dataset.streaming", "validation_dataset.answer_only_loss_mask",
         "packed_sequence.packed_sequence_size"], lines
+
+
+def test_every_problem_of_a_nemo_recipe_is_said_in_one_round(tmp_path: Path) -> None:
+    """What NeMo's translation refuses and what the recipe's own validation would refuse next come in one error, each
+    key once, and the keys NeMo writes out of habit (a remote-code flag, NeMo's own switches) are not among them."""
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["model"].update(trust_remote_code=True, force_hf=True, attn_implementation="flash_attention_2")
+    data["distributed"].update(defer_fsdp_grad_sync=True, ep_size=8)
+    data.update(skypilot={"cloud": "x"}, nvtx={"enabled": False}, neftune={"noise_alpha": 5})
+    data["step_scheduler"]["warmup_ratio"] = 0.1  # not a NeMo key remat maps: the recipe's validation says it
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path)
+    first, *lines = str(info.value).splitlines()
+    keys = [line.split(":")[0] for line in lines]
+    assert first == "a NeMo AutoModel recipe with keys remat cannot read as written:"
+    assert keys == ["distributed.ep_size", "neftune", "step_scheduler.warmup_ratio"], lines
+    del data["distributed"]["ep_size"], data["neftune"], data["step_scheduler"]["warmup_ratio"]
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_recipe(path)  # the changes asked for, and nothing more: accepted
+    assert cfg.model.trust_remote_code is False and cfg.model.attn_implementation == "sdpa"
+    assert cfg.distributed.fsdp_reduce_every_micro_batch is False
+
+
+def test_torch_dtype_auto_is_the_checkpoint_s_dtype(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"model_type": "llama", "torch_dtype": "bfloat16"}')
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["model"].update(pretrained_model_name_or_path=str(checkpoint), torch_dtype="auto")
+    out, said = from_nemo(data)
+    assert out["model"]["dtype"] == "bfloat16"
+    assert "model.torch_dtype auto -> model.dtype bfloat16 (the checkpoint's config.json)" in said
+    data["model"]["pretrained_model_name_or_path"] = str(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=r"model.torch_dtype: auto is the checkpoint's own dtype, which cannot be "
+                                          r"read here \(.*\); allowed: model.dtype: bfloat16, float16 or float32"):
+        from_nemo(data)
 
 
 @pytest.mark.parametrize(("change", "message"), [

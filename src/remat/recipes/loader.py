@@ -243,7 +243,7 @@ def load_recipe_data(path: str | Path, overrides: Sequence[str] | Sequence[tuple
     before torch is imported: `remat.commands.finetune`)."""
     data = read_yaml(path)
     if is_nemo_recipe(data):  # NeMo AutoModel's llm_finetune spelling: mapped key by key, or refused with the remat one
-        data, said = from_nemo(data, data_needed=data_needed)
+        data, said = from_nemo(data, data_needed=data_needed, check=_problems)
         for line in said:
             logger.info("NeMo AutoModel recipe: %s", line)
     _refuse_runner_only_keys(data, path)
@@ -255,6 +255,16 @@ def load_recipe_data(path: str | Path, overrides: Sequence[str] | Sequence[tuple
     if data.get("output_dir") in (None, ""):  # each recipe file its own run directory (remat.recipes.run_safety.resume_changes)
         data["output_dir"] = f"outputs/{Path(path).stem}"
     return data
+
+
+def _problems(data: dict[str, Any]) -> list[str]:
+    """What `validate_recipe` would refuse in ``data``, one line per problem (none when it validates)."""
+    try:
+        validate_recipe(data)
+    except ConfigError as err:
+        lines = str(err).splitlines()
+        return [line.strip() for line in (lines[1:] if len(lines) > 1 else lines)]
+    return []
 
 
 def _refuse_runner_only_keys(data: Mapping[str, Any], path: str | Path) -> None:

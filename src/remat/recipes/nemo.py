@@ -31,9 +31,9 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
 
 ``step_scheduler.num_epochs`` is remat's own key too (``max_steps`` derived from the data; one written wins).
 
-- ``dataset`` / ``validation_dataset`` built by NeMo's SQuAD, HellaSwag and column-mapped builders (`_BUILDERS`): the
-  same Hub dataset or file with remat's ``template`` of the same layout (`remat.data.templates`), each argument
-  mapped, dropped with its reason, or refused by name (`_builder`).
+- ``dataset`` / ``validation_dataset`` built by NeMo's SQuAD, HellaSwag, column-mapped and chat builders
+  (`_BUILDERS`): the same Hub dataset or file with remat's ``template`` of the same layout (`remat.data.templates`)
+  or ``format: messages``, each argument mapped, dropped with its reason, or refused by name (`_builder`).
 
 Refused, each in one line with the remat spelling: NeMo's other dataset classes, ``compile.enabled: true``, and any
 other ``_target_`` of ``nemo_automodel``.
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from remat.errors import ConfigError
@@ -76,10 +76,15 @@ _BUILDERS: Final[dict[str, tuple[str, str]]] = {
     _BUILDER_PREFIX + "hellaswag.HellaSwag": ("hellaswag", "path_or_dataset"),
     _BUILDER_PREFIX + "column_mapped_text_instruction_dataset.ColumnMappedTextInstructionDataset":
         ("columns", "path_or_dataset_id"),
+    _BUILDER_PREFIX + "chat_dataset.ChatDataset": ("chat", "path_or_dataset_id"),
 }
+#: ChatDataset's options whose defaults are what remat's chat rows do (every assistant turn a target).
+_CHAT_DEFAULTS: Final[dict[str, Any]] = {"start_of_turn_token": None, "mask_reasoning_content": False,
+                                         "mask_history": False, "unshifted": False, "skip_invalid_samples": False}
 #: Each template's own builder argument, for the message that lists what a builder's section may hold.
 _OWN_ARG: Final[dict[str, str]] = {"squad": "limit_dataset_samples", "hellaswag": "num_samples_limit",
-                                   "columns": "column_mapping, name, limit_dataset_samples, use_hf_chat_template"}
+                                   "columns": "column_mapping, name, limit_dataset_samples, use_hf_chat_template",
+                                   "chat": "name"}
 #: Builder arguments about padding and truncation: remat cuts its rows to dataset.seq_length itself.
 _CUTTING_ARGS: Final[tuple[str, ...]] = ("padding", "truncation", "pad_to_max_length", "fp8")
 
@@ -90,24 +95,45 @@ def is_nemo_recipe(data: Mapping[str, Any]) -> bool:
         isinstance(target, str) and target.startswith(NEMO_PREFIX) for target in _targets(data))
 
 
-def from_nemo(data: Mapping[str, Any], *, data_needed: bool = True) -> tuple[dict[str, Any], list[str]]:
+def from_nemo(data: Mapping[str, Any], *, data_needed: bool = True,
+              check: Callable[[dict[str, Any]], list[str]] | None = None) -> tuple[dict[str, Any], list[str]]:
     """``data`` in remat's spelling and one line per key mapped or dropped; `ConfigError` with one line per key that
     cannot be read (what to write instead). ``data_needed=False`` (``remat estimate`` / ``plan``, which read no data):
-    NeMo's dataset sections are set aside, their ``seq_length`` kept, instead of refused."""
+    NeMo's dataset sections are set aside, their ``seq_length`` kept, instead of refused. ``check``: the recipe's own
+    validation as problem lines, run on the rest of a refused recipe so that every problem is said in one round."""
     out: dict[str, Any] = copy.deepcopy(dict(data))
     said: list[str] = []
     refused: list[str] = []
     if not data_needed:
         _data_set_aside(out, said)
-    for step in (_top_level, _model, _loss, _distributed, _data, _checkpoint, _schedules, _peft):
+    for step in (_top_level, _model, _loss, _distributed, _data, _checkpoint, _schedules, _peft, _extras):
         step(out, said, refused)
     leftover = [f"{key}: {target!r}" for key, target in _targets_with_keys(out)
                 if isinstance(target, str) and target.startswith(NEMO_PREFIX)]
     refused += [f"{item} is NeMo AutoModel's own class, which remat has no counterpart for; remove it or use a remat "
                 "target (see docs/recipes.md, 'Coming from NeMo AutoModel')" for item in leftover]
+    if refused and check is not None:
+        # NOTE [ One round ]: what the recipe's own validation would say of the rest is said now too, so that a
+        # user who makes every change asked for meets no second round of refusals. The keys refused above are
+        # taken out first, so that none is said twice.
+        for key in {line.split(":", 1)[0].split(" ", 1)[0] for line in refused}:
+            _remove_key(out, key.removesuffix("._target_"))  # a refused class: its arguments go with it
+        if "validation_dataset" not in out and isinstance(out.get("step_scheduler"), dict):
+            for key in ("val_every_steps", "val_batches"):
+                out["step_scheduler"].pop(key, None)
+        refused += [line for line in check(out) if line.split(":", 1)[0] not in {r.split(":", 1)[0] for r in refused}]
     if refused:
         raise ConfigError("a NeMo AutoModel recipe with keys remat cannot read as written:\n" + "\n".join(refused))
     return out, said
+
+
+def _remove_key(data: dict[str, Any], dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data.get(part)  # type: ignore[assignment]
+        if not isinstance(data, dict):
+            return
+    data.pop(last, None)
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -154,9 +180,16 @@ def _model(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
         else:
             said.append(f"model._target_ {target.rsplit('.', 2)[-2]}.{target.rsplit('.', 1)[-1]} -> remat's own "
                         "model build (transformers' AutoModelForCausalLM)")
+    if model.get("trust_remote_code") is True:
+        del model["trust_remote_code"]
+        said.append("model.trust_remote_code true: not carried over (in remat only the command line switches on a "
+                    "model's own code: transformers' own architectures need none, and a model that ships code is "
+                    "refused when it loads unless you run with --trust-remote-code)")
     if "torch_dtype" in model:
         dtype = str(model.pop("torch_dtype"))
-        if dtype not in _DTYPES:
+        if dtype == "auto":
+            _checkpoint_dtype(model, said, refused)
+        elif dtype not in _DTYPES:
             refused.append(f"model.torch_dtype: got {dtype!r}; allowed: {', '.join(sorted(set(_DTYPES)))}")
         else:
             model["dtype"] = _DTYPES[dtype]
@@ -164,6 +197,51 @@ def _model(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     if model.pop("backend", None) is not None:
         said.append("model.backend (NeMo's kernels): dropped; remat runs transformers' attention and layers")
     _tokenizer(out, model, said, refused)
+
+
+def _checkpoint_dtype(model: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    """``torch_dtype: auto`` (transformers': the dtype the checkpoint's config.json names, float32 where it names
+    none) as ``model.dtype``, read from that config.json (a local directory, or the Hub / its cache: that file only)."""
+    source = model.get("pretrained_model_name_or_path")
+    try:
+        if not isinstance(source, str):
+            raise ConfigError("no pretrained_model_name_or_path to read it from")
+        config = _config_json(source)
+    except ConfigError as err:
+        refused.append(f"model.torch_dtype: auto is the checkpoint's own dtype, which cannot be read here ("
+                       f"{str(err).splitlines()[0][:300]}); allowed: model.dtype: bfloat16, float16 or float32")
+        return
+    named = config.get("torch_dtype", config.get("dtype")) or "float32"
+    dtype = _DTYPES.get(str(named))
+    if dtype is None:
+        refused.append(f"model.torch_dtype: auto is {named!r} in {source}'s config.json, which remat does not train "
+                       f"in; allowed: model.dtype: bfloat16, float16 or float32")
+        return
+    model["dtype"] = dtype
+    said.append(f"model.torch_dtype auto -> model.dtype {dtype} (the checkpoint's config.json)")
+
+
+def _config_json(source: str) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    from remat._files import read_regular_bytes
+    from remat.hub import hub_config_file, is_hub_id
+
+    local = Path(source).expanduser()
+    if local.is_dir():
+        file = local / "config.json"
+    elif is_hub_id(source):
+        file = Path(hub_config_file(source, "model.pretrained_model_name_or_path"))
+    else:
+        raise ConfigError(f"{source!r} is neither a directory nor a Hub id")
+    try:
+        data = json.loads(read_regular_bytes(file, "model.torch_dtype:", limit=1 << 20))
+    except (ValueError, RecursionError) as err:
+        raise ConfigError(f"{file} is not valid JSON ({type(err).__name__})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file} is not a JSON object")
+    return data
 
 
 def _tokenizer(out: dict[str, Any], model: Mapping[str, Any], said: list[str], refused: list[str]) -> None:
@@ -310,7 +388,7 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
         section = out.get(key)
         target = section.get("_target_") if isinstance(section, dict) else None
         if isinstance(target, str) and target in _BUILDERS:
-            out[key] = _builder(key, section, said, refused)
+            out[key] = _builder(key, section, out.get("model"), said, refused)
         elif isinstance(target, str):
             refused.append(f"{key}._target_: {target!r} is NeMo's dataset code, which remat has no counterpart for; "
                            f"{_DATASET_HELP.format(key=key)}")
@@ -340,66 +418,148 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
                     (f" (shuffle -> {dataset_key}.shuffle)" if "shuffle" in section else ""))
 
 
-def _builder(key: str, section: dict[str, Any], said: list[str], refused: list[str]) -> dict[str, Any]:
+def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], refused: list[str]) -> dict[str, Any]:
     """A NeMo dataset builder's section as remat's dataset section: the same rows, prompts and answers
-    (`remat.data.templates`), each argument mapped, dropped with its reason, or refused by name."""
+    (`remat.data.templates`, or chat rows as ``format: messages``), each argument mapped, dropped with its reason,
+    or refused by name."""
     args = {name: value for name, value in section.items() if name != "_target_"}
     builder = section["_target_"].rsplit(".", 1)[-1]
-    template, source = _BUILDERS[section["_target_"]]
-    path = args.pop(source, "squad" if template == "squad" else None)
-    if not isinstance(path, str) or not path.strip():
+    kind, source = _BUILDERS[section["_target_"]]
+    path = args.pop(source, "squad" if kind == "squad" else None)
+    if not (isinstance(path, str) and path.strip()) and not (isinstance(path, list) and path):
         refused.append(f"{key}.{source}: got {path!r}; allowed: a Hub dataset id or a local file ({builder})")
         path = "missing"
-    mapped: dict[str, Any] = {"path": path, "template": template, "packing": False}  # packed_sequence packs
+    mapped: dict[str, Any] = {"path": path, "packing": False}  # packed_sequence packs
+    mapped.update({"format": "messages"} if kind == "chat" else {"template": kind})
     notes = [f"{source} -> path"]
     split = args.pop("split", "train")
-    local = path.startswith((".", "/", "~")) or path.endswith((".jsonl", ".json"))
-    if local:
+    first = path if isinstance(path, str) else path[0]
+    if first.startswith((".", "/", "~")) or first.endswith((".jsonl", ".json")):
         notes.append(f"split {split!r} dropped (a local file has no splits)")
     else:
         mapped["split"] = split
-    for limit in ("limit_dataset_samples", "num_samples_limit"):
-        if args.get(limit) is not None:
-            mapped["max_samples"] = args.pop(limit)
-            notes.append(f"{limit} -> max_samples (the first rows, as NeMo's slice)")
-        args.pop(limit, None)
-    if args.get("seq_length") is not None:
-        mapped["seq_length"] = args.pop("seq_length")
-        notes.append("seq_length kept")
-    args.pop("seq_length", None)
-    if template == "columns":
-        if "column_mapping" in args:
-            mapped["column_mapping"] = args.pop("column_mapping")
-        if args.get("name") is not None:
-            mapped["name"] = args.pop("name")
-        args.pop("name", None)
+    for name, to in (("limit_dataset_samples", "max_samples"), ("num_samples_limit", "max_samples"),
+                     ("seq_length", "seq_length"), ("column_mapping", "column_mapping"), ("name", "name")):
+        if args.get(name) is not None:
+            mapped[to] = args.pop(name)
+            notes.append(f"{name} kept" if name == to else f"{name} -> {to}")
+        args.pop(name, None)
+    if kind == "columns":
         # NeMo renders a chat only when asked (and the tokenizer has a template); remat's unset is the same "when
         # the tokenizer has one".
         mapped["use_chat_template"] = None if args.pop("use_hf_chat_template", False) else False
-    cutting = [name for name in _CUTTING_ARGS if name in args]
-    for name in cutting:
-        del args[name]
+    cutting = [name for name in _CUTTING_ARGS if args.pop(name, None) is not None]
     if cutting:
         notes.append(f"{', '.join(cutting)} dropped (remat cuts rows to seq_length itself: packed, or padded)")
     if args.pop("answer_only_loss_mask", True) is not True:
         refused.append(f"{key}.answer_only_loss_mask: false; remat's templates put the loss on the answer only; "
                        "allowed: true (or remove it), or a text dataset (format: text) for a loss on every token")
-    if "tokenizer" in args:
-        del args["tokenizer"]
-        notes.append("tokenizer dropped (the recipe's tokenizer tokenizes the rows)")
-    if "shuffle_seed" in args:
-        del args["shuffle_seed"]
+    for name, default in _CHAT_DEFAULTS.items():
+        value = args.pop(name, default)
+        if value != default:
+            refused.append(f"{key}.{name}: {value!r}; remat's chat rows train on every assistant turn's text as the "
+                           f"tokenizer's chat template renders it; allowed: {default!r} (or remove the key)")
+    _builder_tokenizer(key, args.pop("tokenizer", None), model, notes, refused)
+    if args.pop("shuffle_seed", None) is not None:
         notes.append("shuffle_seed dropped (remat shuffles with the recipe's seed)")
-    if "chat_template" in args:
-        del args["chat_template"]
+    if args.pop("chat_template", None) is not None:
         refused.append(f"{key}.chat_template: a template of the builder's own; remat renders chats with the "
                        "tokenizer's chat template (tokenizer_config.json); allowed: remove the key")
     for name in args:
-        refused.append(f"{key}.{name}: an argument of NeMo's {builder} that remat has no counterpart for; allowed "
-                       f"with template {template!r}: {source}, split, seq_length, {_OWN_ARG[template]}, padding, "
-                       "truncation")
-    said.append(f"{key}._target_ {builder} -> {key}.template {template} ({'; '.join(notes)})")
+        refused.append(f"{key}.{name}: an argument of NeMo's {builder} that remat has no counterpart for; allowed: "
+                       f"{source}, split, seq_length, {_OWN_ARG[kind]}, padding, truncation")
+    to = f"{key}.format messages" if kind == "chat" else f"{key}.template {kind}"
+    said.append(f"{key}._target_ {builder} -> {to} ({'; '.join(notes)})")
     return mapped
+
+
+def _builder_tokenizer(key: str, tokenizer: Any, model: Any, notes: list[str], refused: list[str]) -> None:
+    """A builder's own ``tokenizer`` section: dropped when it is the model's (the recipe's tokenizer tokenizes the
+    rows), else refused with the top-level key that says it."""
+    if tokenizer is None:
+        return
+    source = tokenizer.get("pretrained_model_name_or_path") if isinstance(tokenizer, Mapping) else None
+    own = model.get("pretrained_model_name_or_path") if isinstance(model, Mapping) else None
+    if source is None or source == own:
+        notes.append("tokenizer dropped (the model's, which the recipe loads)")
+        return
+    refused.append(f"{key}.tokenizer: {source!r} is not the model's tokenizer; remat tokenizes every dataset with the "
+                   f"recipe's one: allowed: tokenizer: {{path: {source}}} at the top of the recipe (a local directory)")
+
+
+#: NeMo keys with nothing to do in remat: (section, key) -> why dropping them changes nothing.
+_DROPPED: Final[dict[tuple[str, str], str]] = {
+    ("model", "force_hf"): "remat always builds transformers' own implementation",
+    ("model", "use_liger_kernel"): "remat's fused loss and transformers' layers run instead",
+    ("peft", "use_memory_efficient_lora"): "NeMo's fused LoRA kernel; remat trains PEFT's LoRA, the same adapters",
+    ("step_scheduler", "log_remote_every_steps"): "remat logs every step to its metrics file and wandb",
+    ("", "skypilot"): "a launcher's section: remat runs where it is started (torchrun for several processes)",
+    ("", "nvtx"): "NVTX ranges for Nsight Systems; remat profile gives remat's own per-op profile",
+    ("model", "use_sdpa_patching"): "NeMo's patch of transformers' attention; remat runs transformers' SDPA",
+    ("step_scheduler", "loss_average_window_steps"): "remat logs each step's loss; its report smooths the curve",
+    ("step_scheduler", "save_checkpoint_every_epoch"): "remat saves every ckpt_every_steps and at the end of the run",
+}
+#: NeMo sections for what remat does not have, and what to do instead.
+_NOT_IN_REMAT: Final[dict[str, str]] = {
+    "quantization": "quantised training (QAT / FP8 weights); remat trains bfloat16, float16 or float32 weights: remove "
+                    "the section",
+    "neftune": "NEFTune's noise on the embeddings; remat trains without it: remove the section",
+    "embedding_row_repair": "NeMo's repair of new token embeddings; remat leaves the embeddings as loaded: remove it",
+}
+
+
+def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    """The NeMo keys of no section above: dropped with the reason nothing changes, mapped, or refused by name."""
+    for (section_name, key), why in _DROPPED.items():
+        section = out.get(section_name) if section_name else out
+        if isinstance(section, dict) and key in section:
+            section.pop(key)
+            said.append(f"{section_name + '.' if section_name else ''}{key}: dropped ({why})")
+    for key, why in _NOT_IN_REMAT.items():
+        if key in out:
+            refused.append(f"{key}: {why}")
+    fp8 = out.pop("fp8", None)
+    if isinstance(fp8, Mapping) and fp8.get("enabled"):
+        refused.append("fp8: enabled trains the linear layers in FP8 (torchao); remat trains in bfloat16, float16 or "
+                       "float32: remove the section (model.autocast: bfloat16 is the nearest)")
+    elif fp8 is not None:
+        said.append("fp8: dropped (not enabled)")
+    if out.get("validation_dataset") in ("none", "None", "null"):
+        del out["validation_dataset"]
+        said.append("validation_dataset none -> no validation")
+    schedule = out.get("step_scheduler")
+    if "validation_dataset" not in out and isinstance(schedule, dict) and "val_every_steps" in schedule:
+        said.append(f"step_scheduler.val_every_steps {schedule.pop('val_every_steps')}: dropped (no "
+                    "validation_dataset: NeMo validates nothing then)")
+    model = out.get("model")
+    if isinstance(model, dict) and model.get("load_base_model") is True:
+        del model["load_base_model"]
+        said.append("model.load_base_model true: dropped (remat loads the weights of pretrained_model_name_or_path)")
+    if isinstance(model, dict) and model.get("attn_implementation") == "flash_attention_2":
+        model["attn_implementation"] = "sdpa"
+        said.append("model.attn_implementation flash_attention_2 -> sdpa (PyTorch's attention runs FlashAttention "
+                    "kernels on the GPU; packed rows attend per document with remat's document attention)")
+    if isinstance(model, dict):
+        mtp = sorted(key for key in model if key.startswith(("mtp_", "num_nextn_")))
+        if mtp:
+            refused.append(f"model.{mtp[0]}: multi-token prediction ({', '.join(mtp)}); remat trains the next-token "
+                           "loss only: remove the keys")
+    distributed = out.get("distributed")
+    if isinstance(distributed, dict):
+        if "defer_fsdp_grad_sync" in distributed:
+            defer = bool(distributed.pop("defer_fsdp_grad_sync"))
+            distributed["fsdp_reduce_every_micro_batch"] = not defer
+            said.append(f"distributed.defer_fsdp_grad_sync {str(defer).lower()} -> "
+                        f"distributed.fsdp_reduce_every_micro_batch {str(not defer).lower()}")
+        if distributed.get("reshard_after_forward", True) is True:
+            if distributed.pop("reshard_after_forward", None) is not None:
+                said.append("distributed.reshard_after_forward true: dropped (what remat's FSDP2 does)")
+        else:
+            refused.append(f"distributed.reshard_after_forward: {distributed['reshard_after_forward']!r}; remat's "
+                           "FSDP2 reshards after each block's forward; allowed: true (or remove the key)")
+        if distributed.get("strategy") == "megatron_fsdp":
+            refused.append("distributed.strategy: 'megatron_fsdp' is Megatron's FSDP; allowed: fsdp2 (PyTorch's, "
+                           "the same sharding of parameters, gradients and optimizer state), ddp or single")
 
 
 def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
