@@ -54,6 +54,22 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``remat finetune``: prepare the recipe (read, check, validate, plan once), then either start the workers
+    (`_launch`, under ``--nproc-per-node``) or train in this process (`_train_here`: one process, or a worker)."""
+    prepared = _prepare(args, overrides)
+    if isinstance(prepared, int):  # --print-config: printed
+        return prepared
+    options, overrides, cfg = prepared
+    from remat.distributed.launch import check_launch_environment
+
+    if check_launch_environment(options):
+        return _launch(args, options, overrides, cfg)
+    return _train_here(args, cfg)
+
+
+def _prepare(args: argparse.Namespace, overrides: list[str]) -> int | tuple[Any, list[str], Any]:
+    """The launch options, the overrides the workers get and the validated (and, under ``auto``, planned) recipe;
+    or the exit code of ``--print-config``. What can be refused without torch is refused before it loads."""
     from remat.distributed.launch import LaunchOptions
     from remat.recipes.loader import load_recipe_data, validate_recipe
 
@@ -65,43 +81,58 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
     _check_before_start(data, options)
     cfg = validate_recipe(data)
-    planned = cfg.distributed.auto is not None
-    if not planned and args.print_config:
+    if cfg.distributed.auto is not None:
+        cfg = _plan_once(args, options, cfg)
+    if args.print_config:
         return _print_config(cfg)
+    return options, overrides, cfg
 
-    from remat.distributed.env import ProcessEnv, check_cuda_devices
-    from remat.distributed.launch import check_launch_environment, launch
-    from remat.recipes.finetune import FinetuneRecipe, check_parallel_layout
+
+def _plan_once(args: argparse.Namespace, options: Any, cfg: Any) -> Any:
+    """The ``auto`` recipe planned once: the launcher (or rank 0) plans and writes the plan file in the run's
+    directory, the workers read it (`remat.planner.handoff`)."""
+    from remat.distributed.env import under_torchrun
+    from remat.planner.handoff import planned_recipe
     from remat.recipes.run_safety.run_lock import refuse_if_held, run_directories
 
-    if planned:  # planned once: the launcher writes the plan for its workers, which read it (remat.planner.handoff)
-        from remat.distributed.env import under_torchrun
-        from remat.planner.handoff import planned_recipe
+    launcher = options.requested and not under_torchrun()
+    writes = not args.print_config and (launcher or os.environ.get("RANK", "0") == "0")
+    if writes and not under_torchrun():  # the plan file goes in the run's directories: not while another run
+        refuse_if_held(run_directories(cfg))  # holds them (a worker's peers may hold them already: same run)
+    world_size = (options.num_processes() if launcher else None) or int(os.environ.get("WORLD_SIZE", "1"))
+    return planned_recipe(cfg, world_size=world_size, writes=writes)
 
-        launcher = options.requested and not under_torchrun()
-        writes = not args.print_config and (launcher or os.environ.get("RANK", "0") == "0")
-        if writes and not under_torchrun():  # the plan file goes in the run's directories: not while another run
-            refuse_if_held(run_directories(cfg))  # holds them (a worker's peers may hold them already: same run)
-        world_size = (options.num_processes() if launcher else None) or int(os.environ.get("WORLD_SIZE", "1"))
-        cfg = planned_recipe(cfg, world_size=world_size, writes=writes)
-        if args.print_config:
-            return _print_config(cfg)
-    if check_launch_environment(options):
-        options = restarts_for_replanning(options, cfg)
-        world_size = options.num_processes()
-        if world_size is not None:  # say what is wrong once, before any worker starts
-            check_parallel_layout(cfg, world_size)
-        refuse_if_held(run_directories(cfg))  # another run writes there: refused before starting workers
-        if cfg.distributed.device == "cuda" and (options.nproc_per_node or "1").isdigit():
-            check_cuda_devices(int(options.nproc_per_node or "1"))
-        from remat.commands.host_memory import checked_before_launch
 
-        nproc = options.nproc_per_node or "1"  # host memory for activation offload: checked once per node, here
-        with checked_before_launch(cfg, local_ranks=int(nproc) if nproc.isdigit() else None, world_size=world_size):
-            if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
-                overrides = restart_before_launch(cfg, options.node_rank, overrides)
-            worker = ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides]
-            return launch(options, worker)
+def _launch(args: argparse.Namespace, options: Any, overrides: list[str], cfg: Any) -> int:
+    """Start the workers through torchrun after what would fail in every one of them is said once here: the layout,
+    a run holding the directories, the CUDA devices, the host memory activation offload needs (once per node)."""
+    from remat.commands.host_memory import checked_before_launch
+    from remat.distributed.env import check_cuda_devices
+    from remat.distributed.launch import launch
+    from remat.recipes.finetune import check_parallel_layout
+    from remat.recipes.run_safety.run_lock import refuse_if_held, run_directories
+
+    options = restarts_for_replanning(options, cfg)
+    world_size = options.num_processes()
+    if world_size is not None:
+        check_parallel_layout(cfg, world_size)
+    refuse_if_held(run_directories(cfg))
+    nproc = options.nproc_per_node or "1"
+    if cfg.distributed.device == "cuda" and nproc.isdigit():
+        check_cuda_devices(int(nproc))
+    with checked_before_launch(cfg, local_ranks=int(nproc) if nproc.isdigit() else None, world_size=world_size):
+        if cfg.checkpoint.enabled and cfg.checkpoint.resume == "restart":
+            overrides = restart_before_launch(cfg, options.node_rank, overrides)
+        return launch(options, ["-m", "remat.cli", "--log-level", args.log_level, NAME, args.recipe, *overrides])
+
+
+def _train_here(args: argparse.Namespace, cfg: Any) -> int:
+    """Train in this process (the only one, or one of torchrun's workers) and return the run's exit code."""
+    from remat.commands.host_memory import check_in_worker
+    from remat.distributed.env import ProcessEnv
+    from remat.recipes.finetune import FinetuneRecipe
+    from remat.recipes.shipped import find_recipe
+
     process = ProcessEnv.from_environ()
     if process.launched:  # a kill -9 of the launcher must not leave this worker running
         from remat.distributed.launch import stop_with_launcher
@@ -112,13 +143,14 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     note = single_process_note(cfg.distributed.strategy, process.world_size, args.recipe)
     if note is not None:
         logging.getLogger(__name__).warning(note)
-    from remat.commands.host_memory import check_in_worker
-
     check_in_worker(cfg, local_ranks=process.local_world_size, world_size=process.world_size)
-    from remat.recipes.shipped import find_recipe
+    replanner = _run_time_replanner(cfg, process.world_size) if cfg.distributed.auto is not None else None
+    return _run_recipe(FinetuneRecipe(cfg, replanner=replanner, source=find_recipe(args.recipe)), process)
 
-    recipe = FinetuneRecipe(cfg, replanner=_run_time_replanner(cfg, process.world_size) if planned else None,
-                            source=find_recipe(args.recipe))
+
+def _run_recipe(recipe: Any, process: Any) -> int:
+    """Run ``recipe``; every rank leaves together, and a rank whose peer died stops with the last complete checkpoint
+    kept instead of waiting in a collective."""
     try:
         result = recipe.run()
         # Every rank leaves together: rank 0 may still be drawing the run's report, and gloo's teardown was seen to
