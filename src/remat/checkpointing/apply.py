@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -81,19 +81,8 @@ def apply_activation_checkpointing(
     for name, runner in runners.items():
         wrap_forward(modules[name], runner)
     _watch_first_run(modules, plan)
-
-    notes = list(plan.notes)
-    if outside:
-        notes.append(f"the final norm ({', '.join(outside)}) runs over chunks of the tokens too: its fp32 copy of the "
-                     "hidden states exists one chunk at a time")
-    if any(layer.mode in _RECOMPUTING_MODES for layer in plan.layers):
-        switched = _switch_off_use_cache(model)
-        if switched:
-            notes.append(
-                f"use_cache set to False on {', '.join(switched)}: recomputed blocks must not write a KV cache a "
-                "second time; remove_activation_checkpointing() restores it"
-            )
-    plan = replace(plan, notes=tuple(notes), offload_context=offload, tiled_outside=tuple(outside))
+    plan = replace(plan, notes=_wrapped_notes(model, plan, outside), offload_context=offload,
+                   tiled_outside=tuple(outside))
     logger.info("activation checkpointing: %s", plan.summary())
     for note in plan.notes:
         logger.info("activation checkpointing: %s", note)
@@ -212,6 +201,23 @@ def _default_offload_context(model: nn.Module) -> AbstractContextManager[Any]:
     from remat.checkpointing.offload import OffloadActivations
 
     return OffloadActivations(module=model)
+
+
+def _wrapped_notes(model: nn.Module, plan: CheckpointPlan, outside: Mapping[str, Any]) -> tuple[str, ...]:
+    """The plan's notes and what wrapping did besides: final norms tiled outside the blocks, ``use_cache`` switched
+    off where blocks are recomputed."""
+    notes = list(plan.notes)
+    if outside:
+        notes.append(f"the final norm ({', '.join(outside)}) runs over chunks of the tokens too: its fp32 copy of the "
+                     "hidden states exists one chunk at a time")
+    if any(layer.mode in _RECOMPUTING_MODES for layer in plan.layers):
+        switched = _switch_off_use_cache(model)
+        if switched:
+            notes.append(
+                f"use_cache set to False on {', '.join(switched)}: recomputed blocks must not write a KV cache a "
+                "second time; remove_activation_checkpointing() restores it"
+            )
+    return tuple(notes)
 
 
 def _refuse_double_wrapping(model: nn.Module) -> None:

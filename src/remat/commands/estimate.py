@@ -49,13 +49,8 @@ _FLAGS: tuple[tuple[str, str], ...] = (
 
 
 def register(subparsers: Any) -> None:
-    from typing import get_args
-
     from remat.commands.estimate_longest import add_arguments as add_longest_arguments
-    from remat.distributed.choices import MIXED_PRECISION, STRATEGIES
-    from remat.estimate.choices import LOSS_TARGETS, TARGETS
     from remat.models.presets import preset_names
-    from remat.models.config import AutocastDtype, ParamDtype
 
     parser = subparsers.add_parser(
         NAME, help="predict the peak memory of a training step (no GPU needed)", description=DESCRIPTION,
@@ -67,8 +62,29 @@ def register(subparsers: Any) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"a model shape preset instead of a recipe: {', '.join(preset_names())}")
     source.add_argument("--config", help="a transformers config.json (or the directory holding it) instead of a recipe")
-    step = parser.add_argument_group("the step (defaults: the recipe's, else batch 1 x 2048, the model's dtype, "
-                                     "no checkpointing, plain loss, AdamW, one process, CUDA)")
+    _add_step_arguments(parser.add_argument_group("the step (defaults: the recipe's, else batch 1 x 2048, the "
+                                                  "model's dtype, no checkpointing, plain loss, AdamW, one process, "
+                                                  "CUDA)"))
+    out = parser.add_argument_group("output")
+    out.add_argument("--compare", action="store_true",
+                     help="one row per setting: none/selective/full x plain/fused, plus each --setting")
+    out.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE[,...]",
+                     help="an extra --compare row, or (once, without --compare) an adjustment of the estimate")
+    out.add_argument("--fits", metavar="SIZE",
+                     help="device memory to check against, e.g. 80GiB, 80G (= GiB) or 24GB (10^9 bytes)")
+    out.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
+    out.add_argument("--plot", metavar="PATH", help="write a PNG chart of the breakdown per setting")
+    add_longest_arguments(parser)
+
+
+def _add_step_arguments(step: Any) -> None:
+    """The step's flags (`remat.estimate.StepSettings` fields)."""
+    from typing import get_args
+
+    from remat.distributed.choices import MIXED_PRECISION, STRATEGIES
+    from remat.estimate.choices import LOSS_TARGETS, TARGETS
+    from remat.models.config import AutocastDtype, ParamDtype
+
     step.add_argument("--batch-size", type=int, help="micro-batch per rank")
     step.add_argument("--seq-length", type=int, help="tokens per row")
     step.add_argument("--dtype", choices=get_args(ParamDtype), help="parameter dtype")
@@ -92,16 +108,6 @@ def register(subparsers: Any) -> None:
                       help="packed documents per row (>1: attention runs per document; with "
                            "model.document_attention: false transformers builds a block-diagonal mask)")
     step.add_argument("--target", choices=TARGETS, help="model a CUDA GPU (default) or the CPU as it runs here")
-    out = parser.add_argument_group("output")
-    out.add_argument("--compare", action="store_true",
-                     help="one row per setting: none/selective/full x plain/fused, plus each --setting")
-    out.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE[,...]",
-                     help="an extra --compare row, or (once, without --compare) an adjustment of the estimate")
-    out.add_argument("--fits", metavar="SIZE",
-                     help="device memory to check against, e.g. 80GiB, 80G (= GiB) or 24GB (10^9 bytes)")
-    out.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
-    out.add_argument("--plot", metavar="PATH", help="write a PNG chart of the breakdown per setting")
-    add_longest_arguments(parser)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -76,18 +76,7 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     Trainer is refused.
     """
     model = _trainer_model(trainer)
-    if loss not in LOSSES:
-        raise ConfigError(f"loss: got {loss!r}; allowed: {', '.join(LOSSES)}")
-    if any(isinstance(c, RematCallback) for c in trainer.callback_handler.callbacks):
-        raise ConfigError("prepare_trainer: this Trainer is already prepared; call it once per Trainer (its model "
-                          "is checkpointed already)")
-    if getattr(getattr(trainer, "state", None), "global_step", 0):
-        raise ConfigError(f"prepare_trainer: this Trainer has trained {trainer.state.global_step} steps already; "
-                          "allowed: prepare_trainer before the first trainer.train() (make a new Trainer to "
-                          "continue a run from its checkpoint)")
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise ConfigError("prepare_trainer: DeepSpeed is not supported yet (its ZeRO stages own the parameters remat "
-                          "would plan for); allowed: no DeepSpeed, DDP, or FSDP through accelerate")
+    _refuse_unpreparable(trainer, loss)
     base = _base_model(model)
     # Everything that can be refused is refused before the Trainer or its model is changed.
     planned: ActivationPlan | None = None
@@ -116,6 +105,23 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     if adapter is not None:
         _replan_out_of_memory(trainer, model, adapter)
     return plan
+
+
+def _refuse_unpreparable(trainer: Any, loss: str) -> None:
+    """A ConfigError for a call `prepare_trainer` cannot honour whatever the policy: an unknown loss, a Trainer
+    prepared or trained already, DeepSpeed."""
+    if loss not in LOSSES:
+        raise ConfigError(f"loss: got {loss!r}; allowed: {', '.join(LOSSES)}")
+    if any(isinstance(c, RematCallback) for c in trainer.callback_handler.callbacks):
+        raise ConfigError("prepare_trainer: this Trainer is already prepared; call it once per Trainer (its model "
+                          "is checkpointed already)")
+    if getattr(getattr(trainer, "state", None), "global_step", 0):
+        raise ConfigError(f"prepare_trainer: this Trainer has trained {trainer.state.global_step} steps already; "
+                          "allowed: prepare_trainer before the first trainer.train() (make a new Trainer to "
+                          "continue a run from its checkpoint)")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError("prepare_trainer: DeepSpeed is not supported yet (its ZeRO stages own the parameters remat "
+                          "would plan for); allowed: no DeepSpeed, DDP, or FSDP through accelerate")
 
 
 @contextlib.contextmanager
@@ -198,19 +204,19 @@ def use_fused_loss(model: nn.Module) -> None:
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
 
 
+# NOTE [ Which out-of-memory errors the Trainer retries ]
+# remat's own loop retries a whole step; inside the Trainer's loop only the micro-batch that failed can run
+# again, and only when nothing of it is left behind. Before the first micro-batch of a step the Trainer has
+# zeroed the gradients to None, so dropping the gradients a failed forward or backward left puts the model
+# exactly where it was; the generators are put back, so dropout draws the same masks. A later micro-batch of the
+# same step (gradient accumulation) has the earlier ones' gradients in ``.grad`` and a partial backward added to
+# some of them: it is not retried. Nor is an error on one of several processes, whose peers wait in the step's
+# collectives. Both say so in one line and raise the error as it is; the optimizer update never ran.
+
 def _replan_out_of_memory(trainer: Any, model: nn.Module, adapter: PlanAdapter) -> None:
     """``trainer.training_step`` (one micro-batch's forward and backward) that, on an out-of-memory error in the
-    first micro-batch of a step, re-plans for the budget and retries it, at most `MAX_REPLANS` times in a run.
-
-    # NOTE [ Which out-of-memory errors the Trainer retries ]
-    # remat's own loop retries a whole step; inside the Trainer's loop only the micro-batch that failed can run
-    # again, and only when nothing of it is left behind. Before the first micro-batch of a step the Trainer has
-    # zeroed the gradients to None, so dropping the gradients a failed forward or backward left puts the model
-    # exactly where it was; the generators are put back, so dropout draws the same masks. A later micro-batch of the
-    # same step (gradient accumulation) has the earlier ones' gradients in ``.grad`` and a partial backward added to
-    # some of them: it is not retried. Nor is an error on one of several processes, whose peers wait in the step's
-    # collectives. Both say so in one line and raise the error as it is; the optimizer update never ran.
-    """
+    first micro-batch of a step, re-plans for the budget and retries it, at most `MAX_REPLANS` times in a run
+    (NOTE [ Which out-of-memory errors the Trainer retries ], above)."""
     original = trainer.training_step
     params = [p for p in model.parameters() if p.requires_grad]
     replans = 0

@@ -107,6 +107,53 @@ LOW_PRECISION_TOLERANCE = 3e-2
 LOSS_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-9}
 
 
+def _probe(model: nn.Module, decoder: nn.Module, head: OutputHead, name: str) -> tuple[Tensor, Tensor, Tensor, Any]:
+    """The model's own logits on the probe tokens, the logits the fused loss's head rebuilds from the decoder, probe
+    labels far apart under the two label conventions, and the model's own loss on them (evaluation mode, no
+    gradients; any failure is one ConfigError line)."""
+    vocab = head.weight.shape[0]
+    ids = ((torch.arange(PROBE_TOKENS, device=head.weight.device) * 7919 + 11) % vocab).unsqueeze(0)
+    was_training = model.training
+    model.eval()  # dropout off: both runs must see the same network
+    try:
+        with torch.no_grad():
+            output = decoder(input_ids=ids, use_cache=False)
+            hidden = getattr(output, "last_hidden_state", None)
+            if not isinstance(hidden, Tensor):
+                raise ConfigError(
+                    f"loss_fn: FusedLinearCrossEntropy needs the last hidden state of {name}, but its decoder "
+                    f"({type(decoder).__name__}) returns {type(output).__name__} without one; allowed: "
+                    "loss_fn._target_: remat.loss.MaskedCrossEntropy")
+            expected = model(input_ids=ids, use_cache=False).logits.float()
+            rebuilt = _apply_head(hidden.float(), head)
+            # labels each position's own logits predict best one step later: the shifted and the unshifted
+            # conventions then give far apart losses, even from a freshly initialised model's near-uniform logits
+            labels = torch.cat([ids[:, :1], expected[:, :-1].argmax(-1)], dim=1)
+            return expected, rebuilt, labels, _own_loss(model, name, ids, labels)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 (any failure of the probe is said in one line, not a traceback)
+        raise ConfigError(f"loss_fn: FusedLinearCrossEntropy cannot rebuild the logits of {name} from its decoder "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); allowed: loss_fn._target_: "
+                          "remat.loss.MaskedCrossEntropy") from None
+    finally:
+        model.train(was_training)
+
+
+def _compare_logits(name: str, head: OutputHead, rebuilt: Tensor, expected: Tensor) -> None:
+    if rebuilt.shape != expected.shape:
+        raise ConfigError(f"loss_fn: the logits of {name} have shape {tuple(expected.shape)}, the fused loss's "
+                          f"{tuple(rebuilt.shape)}; allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy")
+    tolerance = PROBE_TOLERANCE.get(head.weight.dtype, LOW_PRECISION_TOLERANCE)
+    difference = float((rebuilt - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+    if not difference <= tolerance:  # NaN included
+        raise ConfigError(
+            f"loss_fn: {name} computes its logits otherwise than hidden @ lm_head.weight.T (+ bias, softcap, scale) "
+            f"as FusedLinearCrossEntropy would (relative difference {difference:.3g} on a probe of {PROBE_TOKENS} "
+            f"tokens, allowed {tolerance:g}): its loss would differ from the model's own; allowed: loss_fn._target_: "
+            "remat.loss.MaskedCrossEntropy for this model")
+
+
 def verify_output_head(model: nn.Module) -> None:
     """Check once, on a probe of a few tokens, that the head the fused loss applies to ``get_decoder()``'s last
     hidden state reproduces the model's own logits; ConfigError naming the model type and the difference when it
@@ -127,44 +174,8 @@ def verify_output_head(model: nn.Module) -> None:
     if not isinstance(decoder, nn.Module) or decoder is model:
         raise ConfigError(f"loss_fn: FusedLinearCrossEntropy needs the decoder of {name}, whose get_decoder() gives "
                           f"{type(decoder).__name__}; allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy")
-    vocab = head.weight.shape[0]
-    ids = ((torch.arange(PROBE_TOKENS, device=head.weight.device) * 7919 + 11) % vocab).unsqueeze(0)
-    was_training = model.training
-    model.eval()  # dropout off: both runs must see the same network
-    try:
-        with torch.no_grad():
-            output = decoder(input_ids=ids, use_cache=False)
-            hidden = getattr(output, "last_hidden_state", None)
-            if not isinstance(hidden, Tensor):
-                raise ConfigError(
-                    f"loss_fn: FusedLinearCrossEntropy needs the last hidden state of {name}, but its decoder "
-                    f"({type(decoder).__name__}) returns {type(output).__name__} without one; allowed: "
-                    "loss_fn._target_: remat.loss.MaskedCrossEntropy")
-            expected = model(input_ids=ids, use_cache=False).logits.float()
-            rebuilt = _apply_head(hidden.float(), head)
-            # labels each position's own logits predict best one step later: the shifted and the unshifted
-            # conventions then give far apart losses, even from a freshly initialised model's near-uniform logits
-            labels = torch.cat([ids[:, :1], expected[:, :-1].argmax(-1)], dim=1)
-            own_loss = _own_loss(model, name, ids, labels)
-    except ConfigError:
-        raise
-    except Exception as err:  # noqa: BLE001 (any failure of the probe is said in one line, not a traceback)
-        raise ConfigError(f"loss_fn: FusedLinearCrossEntropy cannot rebuild the logits of {name} from its decoder "
-                          f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); allowed: loss_fn._target_: "
-                          "remat.loss.MaskedCrossEntropy") from None
-    finally:
-        model.train(was_training)
-    if rebuilt.shape != expected.shape:
-        raise ConfigError(f"loss_fn: the logits of {name} have shape {tuple(expected.shape)}, the fused loss's "
-                          f"{tuple(rebuilt.shape)}; allowed: loss_fn._target_: remat.loss.MaskedCrossEntropy")
-    tolerance = PROBE_TOLERANCE.get(head.weight.dtype, LOW_PRECISION_TOLERANCE)
-    difference = float((rebuilt - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
-    if not difference <= tolerance:  # NaN included
-        raise ConfigError(
-            f"loss_fn: {name} computes its logits otherwise than hidden @ lm_head.weight.T (+ bias, softcap, scale) "
-            f"as FusedLinearCrossEntropy would (relative difference {difference:.3g} on a probe of {PROBE_TOKENS} "
-            f"tokens, allowed {tolerance:g}): its loss would differ from the model's own; allowed: loss_fn._target_: "
-            "remat.loss.MaskedCrossEntropy for this model")
+    expected, rebuilt, labels, own_loss = _probe(model, decoder, head, name)
+    _compare_logits(name, head, rebuilt, expected)
     _check_label_convention(name, labels, expected, own_loss)
 
 

@@ -448,6 +448,18 @@ def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], ref
         # NeMo renders a chat only when asked (and the tokenizer has a template); remat's unset is the same "when
         # the tokenizer has one".
         mapped["use_chat_template"] = None if args.pop("use_hf_chat_template", False) else False
+    _builder_options(key, args, model, notes, refused)
+    for name in args:
+        refused.append(f"{key}.{name}: an argument of NeMo's {builder} that remat has no counterpart for; allowed: "
+                       f"{source}, split, seq_length, {_OWN_ARG[kind]}, padding, truncation")
+    to = f"{key}.format messages" if kind == "chat" else f"{key}.template {kind}"
+    said.append(f"{key}._target_ {builder} -> {to} ({'; '.join(notes)})")
+    return mapped
+
+
+def _builder_options(key: str, args: dict[str, Any], model: Any, notes: list[str], refused: list[str]) -> None:
+    """The builder arguments about cutting, masking and tokenizing rows (taken out of ``args``): dropped where remat
+    does the same, refused where it does not."""
     cutting = [name for name in _CUTTING_ARGS if args.pop(name, None) is not None]
     if cutting:
         notes.append(f"{', '.join(cutting)} dropped (remat cuts rows to seq_length itself: packed, or padded)")
@@ -465,12 +477,6 @@ def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], ref
     if args.pop("chat_template", None) is not None:
         refused.append(f"{key}.chat_template: a template of the builder's own; remat renders chats with the "
                        "tokenizer's chat template (tokenizer_config.json); allowed: remove the key")
-    for name in args:
-        refused.append(f"{key}.{name}: an argument of NeMo's {builder} that remat has no counterpart for; allowed: "
-                       f"{source}, split, seq_length, {_OWN_ARG[kind]}, padding, truncation")
-    to = f"{key}.format messages" if kind == "chat" else f"{key}.template {kind}"
-    said.append(f"{key}._target_ {builder} -> {to} ({'; '.join(notes)})")
-    return mapped
 
 
 def _builder_tokenizer(key: str, tokenizer: Any, model: Any, notes: list[str], refused: list[str]) -> None:
@@ -531,35 +537,44 @@ def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     if "validation_dataset" not in out and isinstance(schedule, dict) and "val_every_steps" in schedule:
         said.append(f"step_scheduler.val_every_steps {schedule.pop('val_every_steps')}: dropped (no "
                     "validation_dataset: NeMo validates nothing then)")
-    model = out.get("model")
-    if isinstance(model, dict) and model.get("load_base_model") is True:
+    _extras_model(out.get("model"), said, refused)
+    _extras_distributed(out.get("distributed"), said, refused)
+
+
+def _extras_model(model: Any, said: list[str], refused: list[str]) -> None:
+    """NeMo's model switches: the base weights, FlashAttention, multi-token prediction."""
+    if not isinstance(model, dict):
+        return
+    if model.get("load_base_model") is True:
         del model["load_base_model"]
         said.append("model.load_base_model true: dropped (remat loads the weights of pretrained_model_name_or_path)")
-    if isinstance(model, dict) and model.get("attn_implementation") == "flash_attention_2":
+    if model.get("attn_implementation") == "flash_attention_2":
         model["attn_implementation"] = "sdpa"
         said.append("model.attn_implementation flash_attention_2 -> sdpa (PyTorch's attention runs FlashAttention "
                     "kernels on the GPU; packed rows attend per document with remat's document attention)")
-    if isinstance(model, dict):
-        mtp = sorted(key for key in model if key.startswith(("mtp_", "num_nextn_")))
-        if mtp:
-            refused.append(f"model.{mtp[0]}: multi-token prediction ({', '.join(mtp)}); remat trains the next-token "
-                           "loss only: remove the keys")
-    distributed = out.get("distributed")
-    if isinstance(distributed, dict):
-        if "defer_fsdp_grad_sync" in distributed:
-            defer = bool(distributed.pop("defer_fsdp_grad_sync"))
-            distributed["fsdp_reduce_every_micro_batch"] = not defer
-            said.append(f"distributed.defer_fsdp_grad_sync {str(defer).lower()} -> "
-                        f"distributed.fsdp_reduce_every_micro_batch {str(not defer).lower()}")
-        if distributed.get("reshard_after_forward", True) is True:
-            if distributed.pop("reshard_after_forward", None) is not None:
-                said.append("distributed.reshard_after_forward true: dropped (what remat's FSDP2 does)")
-        else:
-            refused.append(f"distributed.reshard_after_forward: {distributed['reshard_after_forward']!r}; remat's "
-                           "FSDP2 reshards after each block's forward; allowed: true (or remove the key)")
-        if distributed.get("strategy") == "megatron_fsdp":
-            refused.append("distributed.strategy: 'megatron_fsdp' is Megatron's FSDP; allowed: fsdp2 (PyTorch's, "
-                           "the same sharding of parameters, gradients and optimizer state), ddp or single")
+    mtp = sorted(key for key in model if key.startswith(("mtp_", "num_nextn_")))
+    if mtp:
+        refused.append(f"model.{mtp[0]}: multi-token prediction ({', '.join(mtp)}); remat trains the next-token "
+                       "loss only: remove the keys")
+
+
+def _extras_distributed(distributed: Any, said: list[str], refused: list[str]) -> None:
+    """NeMo's FSDP switches: when gradients are reduced, resharding, Megatron's FSDP."""
+    if not isinstance(distributed, dict):
+        return
+    if "defer_fsdp_grad_sync" in distributed:
+        defer = bool(distributed.pop("defer_fsdp_grad_sync"))
+        distributed["fsdp_reduce_every_micro_batch"] = not defer
+        said.append(f"distributed.defer_fsdp_grad_sync {str(defer).lower()} -> "
+                    f"distributed.fsdp_reduce_every_micro_batch {str(not defer).lower()}")
+    if distributed.get("reshard_after_forward", True) is not True:
+        refused.append(f"distributed.reshard_after_forward: {distributed['reshard_after_forward']!r}; remat's "
+                       "FSDP2 reshards after each block's forward; allowed: true (or remove the key)")
+    elif distributed.pop("reshard_after_forward", None) is not None:
+        said.append("distributed.reshard_after_forward true: dropped (what remat's FSDP2 does)")
+    if distributed.get("strategy") == "megatron_fsdp":
+        refused.append("distributed.strategy: 'megatron_fsdp' is Megatron's FSDP; allowed: fsdp2 (PyTorch's, "
+                       "the same sharding of parameters, gradients and optimizer state), ddp or single")
 
 
 def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
