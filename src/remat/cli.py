@@ -86,11 +86,17 @@ def _sizes_joined(argv: Sequence[str]) -> list[str]:
     return out
 
 
+#: Libraries whose loggers print through a handler of their own (so a propagated copy would print each line twice).
+LIBRARIES_WITH_OWN_HANDLERS: tuple[str, ...] = ("huggingface_hub", "datasets", "transformers")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(_sizes_joined(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, args.log_level), format="[remat] %(levelname)s %(message)s",
                         stream=sys.stderr)
+    for library in LIBRARIES_WITH_OWN_HANDLERS:  # their lines once, as they print them, not again under [remat]
+        logging.getLogger(library).propagate = False
     if args.command is None:
         parser.print_help()
         return 2

@@ -181,3 +181,26 @@ def test_remat_plan_takes_a_hub_id_with_the_step_from_its_flags(
     assert errors[1].startswith("error: --batch-size: sets the step of a Hub id or model directory; a recipe has its "
                                 "own")
     assert report["python_plan_budget"] == 64 * 2**20  # plan_activation_checkpointing("org/name", ...) too
+
+
+def test_an_unreachable_hub_is_one_line_in_seconds_and_the_cache_still_serves(tmp_path: Path) -> None:
+    """Without HF_HUB_OFFLINE and with a Hub that does not answer (an endpoint on a closed local port): one WARNING
+    line, then a cached id is estimated from the cache and an uncached one is one error line, with no retries (they
+    took 25 s and some 30 lines per file)."""
+    hub = tmp_path / "hub"
+    _populate_hub_cache(hub)
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HOME": str(tmp_path / "home"),
+           "HF_ENDPOINT": "http://127.0.0.1:9", "REMAT_CACHE_DIR": str(tmp_path / "remat-cache")}
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN"):
+        env.pop(name, None)
+    for model_id, exit_code in ((REPO, 0), ("tiny-org/not-cached", 2)):
+        proc = subprocess.run([sys.executable, "-m", "remat.cli", "estimate", model_id, "--target", "cpu",
+                               "--seq-length", "32"], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == exit_code, proc.stderr[-3000:]
+        said = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert sum("the Hugging Face Hub (http://127.0.0.1:9) did not answer" in line for line in said) == 1, said
+        assert not any("Retry" in line for line in said), said
+        if exit_code:
+            assert said[-1].startswith("error: model.pretrained_model_name_or_path: cannot read config.json for the "
+                                       "Hub id 'tiny-org/not-cached' (the Hub did not answer and"), said
+            assert len(said) == 2, said

@@ -20,7 +20,7 @@ from remat._files import open_regular, read_regular_bytes
 from remat.data.config import DatasetConfig
 from remat.data.corpus import builtin_documents
 from remat.errors import ConfigError
-from remat.hub import hub_load_error, is_hub_id
+from remat.hub import hub_load_error, is_hub_id, offline_unless_reachable
 
 logger = logging.getLogger(__name__)
 
@@ -215,12 +215,13 @@ def _read_hub_dataset(hub_id: str, cfg: DatasetConfig, split: str, key_prefix: s
     """The rows of a Hub dataset's split, loaded by `datasets.load_dataset` (downloaded once into the HF cache, read
     from it offline). The datasets library runs no code of a dataset's (scripts are refused by it), and remat asks for
     none: one line when it cannot be loaded."""
+    offline_unless_reachable()
     import datasets
 
     try:
         with _datasets_quiet():
             loaded = datasets.load_dataset(hub_id, cfg.name, split=split)
-    except (OSError, ValueError, RuntimeError, TypeError) as err:  # ConnectionError and DatasetNotFoundError are OSError
+    except (OSError, ValueError, RuntimeError, TypeError) as err:  # ConnectionError, DatasetNotFoundError: OSError
         message = " ".join(str(err).split())
         if "Unknown split" in message or "Bad split" in message:
             raise ConfigError(f"{key_prefix}.split: {split!r} is not a split of the Hub dataset {hub_id!r} "

@@ -25,7 +25,7 @@ from remat._files import open_regular
 from remat.data.config import TokenizerConfig
 from remat.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from remat.errors import ConfigError
-from remat.hub import hub_load_error, hub_model_available
+from remat.hub import hub_load_error, hub_model_available, offline_unless_reachable
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ def _hub_tokenizer(hub_id: str, trust_remote_code: bool) -> PreTrainedTokenizerB
     """The tokenizer of the Hub model `hub_id`, resolved as transformers does (the HF cache when offline); None,
     said in a warning, when the repository has none that loads. A repository that cannot be reached at all is a
     ConfigError naming the model key (the model could not be loaded either)."""
+    offline_unless_reachable()
     try:
         tokenizer = AutoTokenizer.from_pretrained(hub_id, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:

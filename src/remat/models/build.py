@@ -29,7 +29,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from remat.errors import ConfigError
-from remat.hub import hub_load_error
+from remat.hub import hub_load_error, offline_unless_reachable
 from remat.models.config import ModelConfig
 from remat.models.presets import get_preset, preset_for_hub_id
 from remat.models.shape import check_config_shape, check_buildable
@@ -248,6 +248,8 @@ def _pretrained_source(cfg: ModelConfig) -> tuple[str, bool]:
 
 def _pretrained_config(cfg: ModelConfig) -> PretrainedConfig:
     path, local = _pretrained_source(cfg)
+    if not local:
+        offline_unless_reachable()
     try:
         return AutoConfig.from_pretrained(path, local_files_only=local, trust_remote_code=cfg.trust_remote_code)
     except Exception as err:  # OSError, ValueError, huggingface_hub's field validation of a malformed config.json
@@ -258,6 +260,8 @@ def _load_pretrained(
     cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, kwargs: dict[str, Any]
 ) -> PreTrainedModel:
     path, local = _pretrained_source(cfg)
+    if not local:
+        offline_unless_reachable()
     kwargs.setdefault("local_files_only", local)
     if local and "config" not in kwargs:  # checked before any weight is read: shape numbers, size, weight dtypes
         config = _pretrained_config(cfg)
