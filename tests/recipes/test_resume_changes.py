@@ -149,6 +149,22 @@ def test_a_model_change_is_refused_with_one_line(tmp_path: Path) -> None:
     assert "model.config.num_hidden_layers: 2 (saved) vs 3 (now)" in line
 
 
+def test_a_directory_of_another_model_is_refused_before_the_data_and_the_model_are_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal needs only the recipes (the one saved with each checkpoint and this one): it comes before the
+    tokenizer, the dataset and the model are built, not after minutes of tokenizing and loading."""
+    run(tiny_recipe(tmp_path, step_scheduler={"max_steps": 2}))
+    import remat.recipes.finetune as finetune
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("built before the refusal")
+
+    monkeypatch.setattr(finetune, "build_tokenizer", never)
+    monkeypatch.setattr(finetune, "build_recipe_model", never)
+    with pytest.raises(ConfigError, match=r"^cannot resume .*step_2 with this recipe: seed: 7 \(saved\) vs 8 \(now\)"):
+        run(tiny_recipe(tmp_path, seed=8))
+
+
 def test_loading_weights_of_another_shape_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     from remat.recipes.build import build_recipe_model
     from remat.training_state.single import load_checkpoint

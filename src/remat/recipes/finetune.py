@@ -45,7 +45,7 @@ from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.run_safety.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save, unusual_settings
 from remat.recipes.run_safety.output_paths import OutputPaths
 from remat.recipes.parallel_layout import check_parallel_layout
-from remat.recipes.run_safety.resume_changes import plan_resume
+from remat.recipes.run_safety.resume_changes import early_refusal, plan_resume
 from remat.recipes.run_safety.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
 from remat.recipes.reports.run_report import write_run_report
 from remat.recipes.reports.reporting import RunReporter, StepRecord
@@ -128,6 +128,7 @@ class FinetuneRecipe:
 
     def _build(self) -> None:
         cfg = self.cfg
+        self._refuse_another_run()
         _seed_everything(cfg.seed)
         with self.dist.local_main_first():  # one process per node trains/caches the tokenizer, the others load it
             self.tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path,
@@ -160,6 +161,18 @@ class FinetuneRecipe:
         self.data_fingerprint = dataset_fingerprint(self.train_data)
         self.resume_notes: list[str] = []
         self.resumed_from = self._maybe_resume()
+
+    def _refuse_another_run(self) -> None:
+        """A checkpoint directory whose every checkpoint belongs to another run (another model, tokenizer, seed...),
+        refused from the recipes alone, before the data is tokenized and the model built; agreed between ranks."""
+        ckpt = self.cfg.checkpoint
+        if not ckpt.enabled or ckpt.resume in ("restart", "never"):
+            return
+        candidates = step_directories(self.checkpoint_dir) if ckpt.resume == "auto" else [Path(ckpt.resume)]
+        refusal = early_refusal([path for path in candidates if path.is_dir()], self.cfg)
+        if self.dist.any_rank(refusal is not None):
+            raise refusal or ConfigError(f"cannot resume from {self.checkpoint_dir} with this recipe: another rank "
+                                         "found its checkpoints belong to another run (see that rank's error)")
 
     def _maybe_resume(self) -> Path | None:
         """Choose, verify and load the checkpoint to continue from (`remat.training_state.verify`): with

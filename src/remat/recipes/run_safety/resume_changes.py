@@ -151,15 +151,39 @@ def plan_resume(checkpoint: Path, cfg: RecipeConfig, *, data_fingerprint: str | 
     if not any(c.key == "step_scheduler.global_batch_size" for c in plan.changes):
         refused += _reshard(plan, train_state.get("data"), batches)
     if refused:
-        shown = refused[:_MAX_SHOWN] + ([f"and {len(refused) - _MAX_SHOWN} more"] if len(refused) > _MAX_SHOWN else [])
-        raise ConfigError(
-            f"cannot resume {checkpoint} with this recipe: {'; '.join(shown)}. To continue that run, set these "
-            f"back; to train this recipe from scratch, use another output_dir (now {cfg.output_dir!r})")
+        raise _refusal(checkpoint, refused, cfg)
     for change in plan.changes:
         if change.rule.kind in (APPLIED, COMPATIBLE, WARNED):
             plan.notes.append(f"resume: {change.key}: {_show(change.saved)} -> {_show(change.current)} "
                               f"({change.rule.kind}: {change.rule.how})")
     return plan
+
+
+def _refusal(checkpoint: Path, refused: list[str], cfg: RecipeConfig) -> ConfigError:
+    shown = refused[:_MAX_SHOWN] + ([f"and {len(refused) - _MAX_SHOWN} more"] if len(refused) > _MAX_SHOWN else [])
+    return ConfigError(
+        f"cannot resume {checkpoint} with this recipe: {'; '.join(shown)}. To continue that run, set these "
+        f"back; to train this recipe from scratch, use another output_dir (now {cfg.output_dir!r})")
+
+
+def early_refusal(candidates: list[Path], cfg: RecipeConfig) -> ConfigError | None:
+    """The refusal `plan_resume` would give, known from the recipes alone (the one saved with each checkpoint and
+    ``cfg``): when every one of ``candidates`` (the checkpoints a resume could continue from, oldest first) records a
+    recipe whose refused keys differ from ``cfg``'s (another model, tokenizer, seed, optimizer class, peft), the error
+    for the newest; None when one of them could continue, or one records no recipe (loading it decides). Checked
+    before the data is tokenized and the model built."""
+    current = cfg.model_dump(mode="json", by_alias=True)
+    newest: tuple[Path, list[str]] | None = None
+    for checkpoint in reversed(candidates):
+        state = _read_train_state(checkpoint)
+        if state is None or not isinstance(state.get("config"), Mapping):
+            return None
+        changes = config_differences(_with_defaults(state["config"]), current)
+        refused = [f"{c.key}: {c.values()}: {c.rule.how}" for c in changes if c.rule.kind == REFUSED]
+        if not refused:
+            return None
+        newest = newest or (checkpoint, refused)
+    return _refusal(*newest, cfg) if newest is not None else None
 
 
 def _data_refusals(plan: ResumePlan, train_state: Mapping[str, Any], fingerprint: str | None,
