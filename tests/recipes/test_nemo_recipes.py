@@ -137,6 +137,15 @@ def test_every_problem_of_a_nemo_recipe_is_said_in_one_round(tmp_path: Path) -> 
     assert cfg.distributed.fsdp_reduce_every_micro_batch is False
 
 
+def test_nemo_s_compile_section_is_remat_s_per_block_compile() -> None:
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["compile"] = {"enabled": True, "mode": "default", "fullgraph": False, "dynamic": True, "backend": None}
+    out, said = from_nemo(data)
+    assert out["compile"] == {"enabled": True, "backend": "inductor", "mode": "default", "fullgraph": False,
+                              "dynamic": True}
+    assert any(line.startswith("compile (enabled) -> compile: torch.compile of each decoder block") for line in said)
+
+
 def test_torch_dtype_auto_is_the_checkpoint_s_dtype(tmp_path: Path) -> None:
     checkpoint = tmp_path / "model"
     checkpoint.mkdir()
@@ -157,7 +166,7 @@ def test_torch_dtype_auto_is_the_checkpoint_s_dtype(tmp_path: Path) -> None:
     ({"loss_fn": {"_target_": "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy"}},
      "loss_fn._target_: 'nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy' has no remat "
      "counterpart; allowed: remat.loss.MaskedCrossEntropy, remat.loss.FusedLinearCrossEntropy"),
-    ({"compile": {"enabled": True}}, "compile.enabled: true is NeMo's torch.compile of the whole model"),
+    ({"compile": {"enabled": True, "cache_size": 8}}, "compile.cache_size: not a torch.compile option remat passes"),
     ({"model": {"torch_dtype": "fp8"}}, "model.torch_dtype: got 'fp8'; allowed:"),
     ({"packed_sequence": {"packed_sequence_size": "1k"}}, "packed_sequence.packed_sequence_size: got '1k'; allowed:"),
     ({"dist_env": {"timeout_minutes": "ten"}}, "dist_env.timeout_minutes: got 'ten'; allowed: a positive number"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remat.checkpointing.policy import PolicyLike
+from remat.checkpointing.policy import CheckpointPolicy, PolicyLike
 from remat.checkpointing import (
     CheckpointPlan,
     apply_activation_checkpointing,
@@ -190,7 +190,8 @@ class DistributedSetup:
 
     # ------------------------------------------------------------------------------------------------ model
 
-    def parallelize(self, model: nn.Module, *, root: nn.Module | None = None) -> nn.Module:
+    def parallelize(self, model: nn.Module, *, root: nn.Module | None = None,
+                    after_checkpointing: Callable[[nn.Module, CheckpointPolicy], None] | None = None) -> nn.Module:
         """Apply activation checkpointing (recorded in ``self.plan``), tensor parallelism, then the strategy's
         wrapper; returns the module a training step calls.
 
@@ -198,6 +199,8 @@ class DistributedSetup:
         (for example one that runs the decoder and the loss together, see ``remat.recipes.model_loss``): FSDP2 then
         gathers the parameters outside the blocks (embeddings, final norm, output head) around *its* forward, and
         DDP synchronises gradients of whatever it uses. Without it, ``model`` is the root.
+        ``after_checkpointing(model, policy)`` runs between checkpointing and the wrapper (the recipe's per-block
+        ``torch.compile``).
         """
         top = root if root is not None else model
         if root is not None and not any(m is model for m in root.modules()):
@@ -210,6 +213,8 @@ class DistributedSetup:
             logger.info("context parallel: %s, each row cut over %d ranks", name, self.cp_size)
         with planned_policy(self.planned):
             self.plan = apply_activation_checkpointing(model, policy)
+        if after_checkpointing is not None:
+            after_checkpointing(model, policy)
         if self.strategy == "single":
             self.root = top
         elif self.strategy == "ddp":

@@ -10,6 +10,7 @@ the loss: a loss that consumes hidden states gets the decoder's last hidden stat
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,14 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.checkpointing import CheckpointPolicy
+from remat.checkpointing.discovery import find_blocks
 from remat.distributed import DistributedSetup
 from remat.errors import ConfigError
 from remat.loss import loss_input
 from remat.models import build_model
 from remat.models.document_attention import use_document_attention
-from remat.recipes.config import PeftConfig, RecipeConfig
+from remat.recipes.config import CompileConfig, PeftConfig, RecipeConfig
 from remat.recipes.model_loss import CausalLMLoss
 from remat.recipes.targets import LOSS, OPTIMIZER, build_target, resolve_target
+
+logger = logging.getLogger(__name__)
 
 
 def distributed_setup(cfg: RecipeConfig) -> DistributedSetup:
@@ -61,8 +66,25 @@ def build_training_module(model: nn.Module, cfg: RecipeConfig, setup: Distribute
     loss_fn = build_loss(cfg)
     compute = CausalLMLoss(model, loss_fn, use_hidden_states=loss_input(loss_fn) == "hidden_states",
                            context=setup.context)
-    root = setup.parallelize(model, root=compute)
+    compile_blocks = _block_compiler(cfg.compile) if cfg.compile.enabled else None
+    root = setup.parallelize(model, root=compute, after_checkpointing=compile_blocks)
     return root  # type: ignore[return-value]
+
+
+def _block_compiler(settings: CompileConfig) -> Callable[[nn.Module, CheckpointPolicy], None]:
+    """``torch.compile`` of each decoder block, after checkpointing wrapped it and before FSDP2 / DDP wrap the model
+    (TorchTitan's order): the compiled region is the block with its checkpoint, so the compiler sees what is saved
+    and what is recomputed. ``Module.compile`` keeps the module, its name and its parameters."""
+
+    def compile_blocks(model: nn.Module, policy: CheckpointPolicy) -> None:
+        blocks = find_blocks(model, policy.block_pattern).blocks
+        for block in blocks:
+            block.module.compile(backend=settings.backend, mode=settings.mode, fullgraph=settings.fullgraph,
+                                 dynamic=settings.dynamic)
+        logger.info("torch.compile: %d blocks (backend %s%s)", len(blocks), settings.backend,
+                    f", mode {settings.mode}" if settings.mode else "")
+
+    return compile_blocks
 
 
 def build_optimizer(cfg: RecipeConfig, params: Iterable[nn.Parameter], *,

@@ -151,6 +151,22 @@ class TrainingConfig(StrictModel):
     max_nonfinite_steps: PositiveInt = 3
 
 
+COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager", "cudagraphs")
+COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+class CompileConfig(StrictModel):
+    """``compile``: ``torch.compile`` of each decoder block after activation checkpointing wraps it (and before
+    FSDP2 / DDP wrap the model), as TorchTitan compiles per block: ``backend``, ``mode``, ``fullgraph`` and
+    ``dynamic`` are ``torch.compile``'s. Off by default. The estimate and the planner model the eager blocks."""
+
+    enabled: bool = False
+    backend: Literal["inductor", "aot_eager", "eager", "cudagraphs"] = "inductor"
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+
 _POLICY_KEY = "distributed.activation_checkpointing"
 
 AUTO_KEYS: tuple[str, ...] = ("memory_budget", "max_replans", "relax_after_steps", "calibration", "loss")
@@ -446,6 +462,7 @@ class RecipeConfig(StrictModel):
     loss_fn: LossConfig = Field(default_factory=LossConfig)
     clip_grad_norm: ClipGradNormConfig = Field(default_factory=ClipGradNormConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -151,7 +151,8 @@ class FinetuneRecipe:
             self.train_data, cfg.step_scheduler.local_batch_size, shuffle=cfg.dataset.shuffle, seed=cfg.seed,
             rank=self.dist.dp_rank, world_size=self.dist.dp_size,
         )
-        self.memory_meter = StepMemoryMeter(cfg.logging.memory, model=self.model, optimizer=self.optimizer)
+        self.memory_meter = StepMemoryMeter(_memory_source(cfg, self.dist.device), model=self.model,
+                                            optimizer=self.optimizer)
         auto = cfg.distributed.auto or AutoCheckpointing()  # a replanner given in Python to a pinned recipe
         self.retry = (StepRetry(self.replanner, max_replans=auto.max_replans, setup=self.dist, model=self.model,
                                 meter=self.memory_meter, optimizer=self.optimizer,
@@ -496,6 +497,14 @@ def sharded_eval_batches(
 
 def _ignored(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**row, "labels": torch.full_like(row["labels"], IGNORE_INDEX)}
+
+
+def _memory_source(cfg: RecipeConfig, device: torch.device) -> str:
+    """``logging.memory``, except that ``auto`` on the CPU with ``compile`` reads the process's peak RSS: the exact
+    tracker sees every op through a dispatch mode, under which torch.compile would run the blocks eagerly."""
+    if cfg.compile.enabled and cfg.logging.memory == "auto" and device.type != "cuda":
+        return "rss"
+    return cfg.logging.memory
 
 
 def _seed_everything(seed: int) -> None:

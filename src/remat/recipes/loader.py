@@ -336,6 +336,10 @@ def _warn_once(message: str, *args: Any) -> None:
 
 
 def _check_cross_section(cfg: RecipeConfig) -> None:
+    if cfg.compile.enabled and cfg.logging.memory == "tracked":
+        raise ConfigError("compile.enabled: true with logging.memory: tracked; the tracker sees every op through a "
+                          "dispatch mode, under which torch.compile runs the blocks eagerly; allowed: logging.memory: "
+                          "auto (rss on the CPU, the CUDA allocator on a GPU), rss or cuda")
     setting = cfg.distributed.activation_checkpointing
     policy = cfg.distributed.auto.plan if cfg.distributed.auto is not None else setting
     tile = getattr(policy, "tile_tokens", None)

@@ -156,15 +156,31 @@ def _top_level(out: dict[str, Any], said: list[str], refused: list[str]) -> None
             said.append(f"dist_env.timeout_minutes {minutes} -> distributed.timeout_s {float(minutes) * 60:g}")
         if "backend" in dist_env:
             said.append(f"dist_env.backend {dist_env['backend']!r}: dropped (remat uses NCCL on GPUs, gloo on CPUs)")
-    compile_section = out.pop("compile", None)
-    if isinstance(compile_section, Mapping) and compile_section.get("enabled"):
-        refused.append("compile.enabled: true is NeMo's torch.compile of the whole model; remat does not compile "
-                       "the model (the fused loss compiles its own chunks on CUDA); remove the section")
+    _compile(out, said, refused)
     wandb = out.pop("wandb", None)
     if isinstance(wandb, Mapping):
         kept = {k: v for k, v in wandb.items() if k in ("project", "entity", "name", "tags", "mode")}
         _section(out, "logging")["wandb"] = kept
         said.append("wandb -> logging.wandb" + (" (save_dir dropped)" if "save_dir" in wandb else ""))
+
+
+def _compile(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    """NeMo's ``compile`` section: remat's own (`remat.recipes.config.CompileConfig`: each block compiled after
+    checkpointing), ``backend: null`` being inductor; switched off, dropped."""
+    section = out.pop("compile", None)
+    if not isinstance(section, Mapping) or not section.get("enabled"):
+        if section is not None:
+            said.append("compile: dropped (not enabled)")
+        return
+    unknown = sorted(set(section) - {"enabled", "mode", "fullgraph", "dynamic", "backend"})
+    if unknown:
+        refused.append(f"compile.{unknown[0]}: not a torch.compile option remat passes; allowed: enabled, backend, "
+                       "mode, fullgraph, dynamic")
+        return
+    out["compile"] = {"enabled": True, "backend": section.get("backend") or "inductor", "mode": section.get("mode"),
+                      "fullgraph": bool(section.get("fullgraph", False)), "dynamic": section.get("dynamic")}
+    said.append("compile (enabled) -> compile: torch.compile of each decoder block after checkpointing wraps it, "
+                f"backend {out['compile']['backend']}")
 
 
 def _model(out: dict[str, Any], said: list[str], refused: list[str]) -> None:

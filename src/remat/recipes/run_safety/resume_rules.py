@@ -63,6 +63,7 @@ RESUME_RULES: dict[str, Rule] = {
     "lr_scheduler.*": _SCHEDULE,
     "loss_fn.*": _APPLIED,
     "clip_grad_norm.*": _APPLIED,
+    "compile.*": _APPLIED,
     "distributed.strategy": _LAYOUT,
     "distributed.dp_size": _LAYOUT,
     "distributed.tp_size": _LAYOUT,
