@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_acceptance.sh profile     # remat profile: auto at 15/20/25/30 GiB against the uniform policies
 #   bash benchmarks/gpu_acceptance.sh long        # the long-context setting at 512k tokens and on
 #   bash benchmarks/gpu_acceptance.sh context     # context parallelism over every visible GPU (2 or more; torchrun)
+#   bash benchmarks/gpu_acceptance.sh trl         # prepare_trainer auto in TRL's SFTTrainer: predicted vs measured
 #
 # Several parts may be named in one call (`... policies loss`). On the GPU machine the wheels fetched by `wheels`
 # (in .whl/, which git ignores: carry it along) are installed into /tmp/site and put on PYTHONPATH with src/. Every
@@ -27,7 +28,8 @@ WHL=${WHEELS_DIR:-.whl}
 # the loss comparison calls, datasets for the data tests), at the versions this project tests (constraints.txt, the
 # cuda-kernels extra; dill and multiprocess as datasets pulls them in).
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
-        datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 cut-cross-entropy==25.1.1)
+        datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+        trl==1.16.0 accelerate==1.15.0)
 
 fetch_wheels() {
   mkdir -p "$WHL"
@@ -81,6 +83,8 @@ part() {
       keep_results benchmarks/results/estimate_cuda*.md benchmarks/results/estimate_cuda*.json ;;
     profile) "$PY" benchmarks/profile_seed_cuda.py; rc=$?
       keep_results benchmarks/results/profile_seed_*.md benchmarks/results/profile_seed_*.json ;;
+    trl) "$PY" benchmarks/bench_trl_auto.py --device cuda; rc=$?
+      keep_results benchmarks/results/trl_auto_cuda.md benchmarks/results/trl_auto_cuda.json ;;
     context)  # one process per GPU: NCCL takes no two ranks on one device, so it needs a multi-GPU machine
       local gpus
       gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
@@ -90,7 +94,7 @@ part() {
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/bench_context_parallel.py; rc=$?
         keep_results benchmarks/results/context_parallel_*.md benchmarks/results/context_parallel_*.json
       fi ;;
-    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels cuda-tests suite policies loss backends selective estimate profile long context" >&2
+    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels cuda-tests suite policies loss backends selective estimate profile long context trl" >&2
        return 2 ;;
   esac
   echo "== gpu_acceptance: $name ended with status $rc after $((SECONDS - start)) s"
@@ -98,7 +102,7 @@ part() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 if [ "$1" = wheels ]; then
