@@ -51,7 +51,7 @@ def test_a_recipe_s_compile_section_compiles_each_block_and_trains_the_eager_los
     from remat.recipes.loader import validate_recipe
 
     torch._dynamo.reset()
-    common = {"distributed": {"activation_checkpointing": "selective"}, "step_scheduler": {"max_steps": 2},
+    common = {"distributed": {"activation_checkpointing": "full"}, "step_scheduler": {"max_steps": 2},
               "checkpoint": {"enabled": False}}
     _, eager = run(tiny_recipe(tmp_path / "eager", **common))
     frames = torch._dynamo.utils.counters["frames"]["ok"]
