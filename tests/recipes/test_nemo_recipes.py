@@ -146,6 +146,22 @@ def test_nemo_s_compile_section_is_remat_s_per_block_compile() -> None:
     assert any(line.startswith("compile (enabled) -> compile: torch.compile of each decoder block") for line in said)
 
 
+def test_nemo_s_packing_options_are_said_with_what_remat_does() -> None:
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["packed_sequence"] = {"packed_sequence_size": 1024, "packing_strategy": "thd", "split_across_pack": False,
+                               "num_proc": 1, "max_packs": 104}
+    out, said = from_nemo(data)
+    assert out["dataset"]["packing"] is True and out["dataset"]["seq_length"] == 1024
+    assert [line.split(" ")[0] for line in said if line.startswith("packed_sequence.")] == [
+        "packed_sequence.packed_sequence_size", "packed_sequence.packing_strategy", "packed_sequence.split_across_pack",
+        "packed_sequence.num_proc", "packed_sequence.max_packs"]
+    data["packed_sequence"] = {"packed_sequence_size": 1024, "packing_strategy": "bshd", "pack_fn": "x"}
+    with pytest.raises(ConfigError) as info:
+        from_nemo(data)
+    assert [line.split(":")[0] for line in str(info.value).splitlines()[1:]] == [
+        "packed_sequence.packing_strategy", "packed_sequence.pack_fn"]
+
+
 def test_torch_dtype_auto_is_the_checkpoint_s_dtype(tmp_path: Path) -> None:
     checkpoint = tmp_path / "model"
     checkpoint.mkdir()

@@ -424,6 +424,8 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
         else:
             dataset["packing"] = False
             said.append("packed_sequence.packed_sequence_size 0 -> dataset.packing false")
+    if isinstance(packed, Mapping):
+        _packing_options(packed, said, refused)
     for loader, dataset_key in (("dataloader", "dataset"), ("validation_dataloader", "validation_dataset")):
         section = out.pop(loader, None)
         if not isinstance(section, Mapping):
@@ -591,6 +593,29 @@ def _extras_distributed(distributed: Any, said: list[str], refused: list[str]) -
     if distributed.get("strategy") == "megatron_fsdp":
         refused.append("distributed.strategy: 'megatron_fsdp' is Megatron's FSDP; allowed: fsdp2 (PyTorch's, "
                        "the same sharding of parameters, gradients and optimizer state), ddp or single")
+
+
+def _packing_options(packed: Mapping[str, Any], said: list[str], refused: list[str]) -> None:
+    """``packed_sequence``'s keys besides its size: said with what remat's packing does, or refused by name."""
+    if packed.get("packing_strategy") not in (None, "thd"):
+        refused.append(f"packed_sequence.packing_strategy: {packed['packing_strategy']!r}; remat packs documents "
+                       "into rows whose position_ids restart per document (NeMo's thd); allowed: thd")
+    elif "packing_strategy" in packed:
+        said.append("packed_sequence.packing_strategy thd: what remat's packed rows are (position_ids restart per "
+                    "document, documents attend apart)")
+    if "split_across_pack" in packed:
+        said.append(f"packed_sequence.split_across_pack {packed['split_across_pack']}: remat concatenates documents "
+                    "and cuts rows every seq_length tokens; a document cut at a row boundary continues as a segment "
+                    "of its own (no document is dropped or padded)")
+    if "num_proc" in packed:
+        said.append(f"packed_sequence.num_proc {packed['num_proc']}: dropped (remat packs in its own process)")
+    if "max_packs" in packed:
+        said.append(f"packed_sequence.max_packs {packed['max_packs']}: dropped; remat packs every document it reads "
+                    "(dataset.max_samples caps the documents)")
+    known = {"packed_sequence_size", "packing_strategy", "split_across_pack", "num_proc", "max_packs"}
+    for key in sorted(set(packed) - known):
+        refused.append(f"packed_sequence.{key}: not a packing option remat has; allowed: packed_sequence_size, "
+                       "packing_strategy (thd), split_across_pack, num_proc, max_packs")
 
 
 def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
