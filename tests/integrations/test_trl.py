@@ -125,7 +125,8 @@ def _budget_between_full_and_none(trainer: Any, rows: str) -> int:
     return (none + full) // 2
 
 
-@pytest.mark.parametrize(("vocab", "rows"), [(1536, "padded"), (32768, "padded"), (1536, "packed"), (32768, "lora")])
+@pytest.mark.parametrize(("vocab", "rows"), [(1536, "padded"), (32768, "padded"), (1536, "packed"), (32768, "packed"),
+                                            (1536, "lora"), (32768, "lora")])
 def test_auto_plans_the_sft_trainers_own_step_within_its_budget(tmp_path: Path, vocab: int, rows: str) -> None:
     """TRL's fused LM head (a [tokens, 32768] tile buffer at any vocabulary, float32 gradient accumulators), its
     padding-free packed rows and LoRA are in the plan: every step within the budget, the step the prediction is of
