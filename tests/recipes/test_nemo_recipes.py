@@ -4,6 +4,7 @@ instead (`remat.recipes.nemo`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -274,3 +275,30 @@ def test_a_command_that_reads_no_data_sets_nemo_s_dataset_builders_aside(caplog:
     assert cfg.step_scheduler.val_every_steps is None and cfg.step_scheduler.num_epochs == 1
     assert "NeMo AutoModel recipe: dataset._target_ make_squad_dataset: not read (this command reads no data)" in (
         caplog.text)
+
+
+def test_remat_estimate_of_the_published_recipe_reads_only_the_cached_config(tmp_path: Path) -> None:
+    """`remat estimate` of the NeMo SQuAD recipe as written, offline: the model's config.json from the HF cache (a
+    tiny stand-in under meta-llama/Llama-3.2-1B; no weights, no tokenizer), its dataset builders set aside (no
+    datasets cache exists: nothing is read), the step estimated."""
+    from processes import run_bounded
+
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+        "torch_dtype": "bfloat16"}))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "home"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = run_bounded([sys.executable, "-m", "remat.cli", "estimate", str(HERE / "llama_squad.yaml"), "--target",
+                        "cpu", "--seq-length", "64", "--json", str(tmp_path / "estimate.json")], env=env, cwd=tmp_path,
+                       timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    estimate = json.loads((tmp_path / "estimate.json").read_text())
+    rows = estimate if isinstance(estimate, list) else estimate.get("estimates", [estimate])
+    assert rows and all(row["peak_bytes"] > 0 for row in rows)
+    assert "dataset._target_ make_squad_dataset: not read (this command reads no data)" in proc.stderr
+    assert not (tmp_path / "home" / "datasets").exists()
