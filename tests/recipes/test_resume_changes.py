@@ -165,6 +165,29 @@ def test_a_directory_of_another_model_is_refused_before_the_data_and_the_model_a
         run(tiny_recipe(tmp_path, seed=8))
 
 
+def test_the_early_check_reads_a_planted_train_state_as_nothing(tmp_path: Path) -> None:
+    """The recipes are compared before any checkpoint is verified: a FIFO, a link or a huge file named
+    train_state.json is not read (no hang, no file outside the run); loading the checkpoint then reports it."""
+    import os
+
+    from remat.recipes.run_safety.resume_changes import early_refusal
+
+    cfg = validate_recipe(tiny_recipe(tmp_path))
+    fifo, link, huge = (tmp_path / name for name in ("fifo", "link", "huge"))
+    for step in (fifo, link, huge):
+        step.mkdir()
+    os.mkfifo(fifo / "train_state.json")
+    (tmp_path / "outside.json").write_text(json.dumps({"config": {"seed": 1}}))
+    (link / "train_state.json").symlink_to(tmp_path / "outside.json")
+    with open(huge / "train_state.json", "wb") as handle:
+        handle.truncate(17 * 2**20)
+    for step in (fifo, link, huge):
+        assert early_refusal([step], cfg) is None
+    (huge / "train_state.json").write_text(json.dumps({"config": {**cfg.model_dump(mode="json", by_alias=True),
+                                                                  "seed": 1}}))
+    assert "seed: 1 (saved) vs 7 (now)" in str(early_refusal([huge], cfg))
+
+
 def test_loading_weights_of_another_shape_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     from remat.recipes.build import build_recipe_model
     from remat.training_state.single import load_checkpoint

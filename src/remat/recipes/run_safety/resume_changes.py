@@ -234,12 +234,18 @@ def _reshard(plan: ResumePlan, saved: Mapping[str, Any] | None, batches: Statefu
     return []
 
 
+#: The largest train_state.json read to compare recipes (a saved one is a few kB: the recipe and counters).
+_TRAIN_STATE_LIMIT = 16 * 2**20
+
+
 def _read_train_state(checkpoint: Path) -> dict[str, Any] | None:
+    from remat._files import read_regular_bytes
     from remat.training_state.layout import TRAIN_STATE_FILE
 
-    try:
-        state = json.loads((checkpoint / TRAIN_STATE_FILE).read_text())
-    except (OSError, ValueError):
+    try:  # read before the checkpoint is verified (`early_refusal`): a regular file, not through a link, bounded
+        state = json.loads(read_regular_bytes(checkpoint / TRAIN_STATE_FILE, "checkpoint:", limit=_TRAIN_STATE_LIMIT,
+                                              follow_symlinks=False))
+    except (OSError, ValueError, RecursionError, ConfigError):
         return None  # loading the checkpoint reports it
     return state if isinstance(state, dict) else None
 
