@@ -167,14 +167,22 @@ def test_trls_fused_head_as_a_remat_loss_is_trls_own_bit_for_bit() -> None:
 
 def test_the_cuda_estimate_of_trls_step_takes_its_gpu_path() -> None:
     """On a CUDA target TRL scores only the labelled positions and folds its tiles in Triton kernels, stubbed out on
-    fake tensors: the estimate runs (a real boolean mask selecting fake rows) and differs from the CPU path's."""
+    fake tensors (a real boolean mask selecting fake rows): the estimate runs that path (another figure than TRL's CPU
+    path asked for by hand on the same target), and both hold TRL's [tokens, 32768] tile buffer, which remat's plain
+    loss at this vocabulary never allocates."""
     from remat.loss.trl_head import SFT_OUTPUTS
 
-    options = {"batch_size": 2, "seq_length": 32, "policy": "none", "loss_kwargs": {"outputs": list(SFT_OUTPUTS)},
-               "loss": "remat.loss.trl_head.TRLFusedLMHead"}
     config = tiny_causal_lm(vocab_size=1536).config
-    cuda, cpu = (remat.estimate_memory(config, target=target, **options).peak_bytes for target in ("cuda", "cpu"))
-    assert cuda > 0 and cpu > 0 and cuda != cpu
+    step = {"batch_size": 2, "seq_length": 32, "policy": "none", "target": "cuda"}
+    trl_loss = {"loss": "remat.loss.trl_head.TRLFusedLMHead"}
+    gpu_path = remat.estimate_memory(config, loss_kwargs={"outputs": list(SFT_OUTPUTS)}, **trl_loss, **step)
+    cpu_path = remat.estimate_memory(config, loss_kwargs={"outputs": list(SFT_OUTPUTS), "device_kernels": False},
+                                     **trl_loss, **step)
+    plain = remat.estimate_memory(config, loss="plain", **step)
+    tile_buffer = 2 * 31 * 32768 * 4  # the shifted tokens x TRL's vocabulary chunk, float32
+    assert gpu_path.peak_bytes != cpu_path.peak_bytes
+    for estimate in (gpu_path, cpu_path):
+        assert estimate.peak_bytes - plain.peak_bytes >= 0.9 * tile_buffer, (estimate.peak_bytes, plain.peak_bytes)
 
 
 def test_auto_is_refused_where_sft_runs_a_second_forward(tmp_path: Path) -> None:
