@@ -10,7 +10,11 @@ benchmarks/results/sweep_estimate.{json,md}.
     .venv/bin/python benchmarks/sweep_estimate.py [--only llama,mistral] [--plan] [--out benchmarks/results]
 
 ``--plan`` also plans ``auto`` (``plan_activation_checkpointing``) for the budget midway between each type's
-estimated none and full peaks: planned within the budget, refused in one line, or crashed.
+estimated none and full peaks (1 GiB where the estimate refused: the planner must refuse the same way): planned
+within the budget, refused in one line, or crashed.
+
+Models whose expert routing depends on the data are simulated with balanced routing (the estimate says so in a
+note); a real step with random weights routes unevenly, so their rows are held to 1% instead of 0.5%.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 TOLERANCE = 0.005
+ROUTING_TOLERANCE = 0.01  # balanced routing against a random router (see the docstring)
 SLIDING_WINDOW = 16  # tokens; the rows have 64
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,6 +67,7 @@ def sweep_one(model_type: str, policy: str) -> dict[str, Any]:
     from remat.errors import RematError
     from remat.estimate.api import estimate_memory
     from remat.estimate.settings import StepSettings
+    from remat.estimate.simulate import ROUTING_NOTE
     from remat.models import ModelConfig
 
     config = _tiny_config(model_type)
@@ -81,19 +87,24 @@ def sweep_one(model_type: str, policy: str) -> dict[str, Any]:
         return {"model_type": model_type, "policy": policy, "outcome": "crashed",
                 "message": f"{type(err).__name__}: {str(err)[:300]}"}
     error = (estimate.peak_bytes - real) / real
+    routed = ROUTING_NOTE in estimate.notes
+    if abs(error) <= TOLERANCE:
+        outcome = "within 0.5%"
+    elif routed and abs(error) <= ROUTING_TOLERANCE:
+        outcome = "within 1% (balanced routing)"
+    else:
+        outcome = "off"
     return {"model_type": model_type, "policy": policy, "estimate": estimate.peak_bytes, "real": real,
-            "error": error, "outcome": "within 0.5%" if abs(error) <= TOLERANCE else "off",
-            "seconds": round(time.perf_counter() - start, 1)}
+            "error": error, "outcome": outcome, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def plan_one(model_type: str, none_bytes: int, full_bytes: int) -> dict[str, Any]:
-    """``plan_activation_checkpointing`` for the budget midway between the estimated none and full peaks: planned
-    (within the budget), refused in one line, or crashed."""
+def plan_one(model_type: str, budget: int) -> dict[str, Any]:
+    """``plan_activation_checkpointing`` for ``budget`` bytes: planned (within the budget), refused in one line, or
+    crashed."""
     from remat.errors import RematError
     from remat.models import ModelConfig
     from remat.planner import plan_activation_checkpointing
 
-    budget = (none_bytes + full_bytes) // 2
     start = time.perf_counter()
     try:
         plan = plan_activation_checkpointing(ModelConfig(config=_tiny_config(model_type)), memory_budget=budget,
@@ -147,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             if row["outcome"] == "not built":
                 break
         peaks = {row["policy"]: row["estimate"] for row in rows if row["model_type"] == model_type and "estimate" in row}
-        if args.plan and {"none", "full"} <= set(peaks):
+        if args.plan and rows[-1]["outcome"] != "not built":
+            # midway between none and full; where the estimate refused, any budget (the planner must refuse too)
+            budget = (peaks["none"] + peaks["full"]) // 2 if {"none", "full"} <= set(peaks) else 2**30
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                row = plan_one(model_type, peaks["none"], peaks["full"])
+                row = plan_one(model_type, budget)
             rows.append(row)
             print(f"{model_type} auto: {row['outcome']} {row.get('message', '')[:100]}", flush=True)
     counts: dict[str, int] = {}

@@ -34,3 +34,27 @@ def test_a_model_that_cannot_be_simulated_is_refused_in_one_line(sweep: ModuleTy
     row = sweep.sweep_one("jetmoe", "none")
     assert row["outcome"] == "refused", row
     assert "on values fake tensors do not have" in row["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["dbrx", "reformer"])
+def test_auto_plans_where_the_estimate_answers(sweep: ModuleType, model_type: str) -> None:
+    """The planner's block measurement runs blocks as the estimate's step does: dbrx's data-dependent expert routing
+    (``nonzero`` on the router's choice) falls back to balanced routing in both, and Reformer's reversible blocks,
+    which compute without autograd, are measured instead of crashing in their backward."""
+    peaks = {}
+    for policy in ("none", "full"):
+        row = sweep.sweep_one(model_type, policy)
+        if row["outcome"] == "not built":
+            pytest.skip(f"{model_type}: the tiny shrink builds no runnable model with this transformers")
+        assert row["outcome"].startswith("within"), row
+        peaks[policy] = row["estimate"]
+    row = sweep.plan_one(model_type, (peaks["none"] + peaks["full"]) // 2)
+    assert row["outcome"] == "planned", row
+
+
+def test_auto_refuses_what_the_estimate_refuses_in_the_same_line(sweep: ModuleType) -> None:
+    estimate = sweep.sweep_one("jetmoe", "none")
+    plan = sweep.plan_one("jetmoe", 2**30)
+    assert estimate["outcome"] == plan["outcome"] == "refused", (estimate, plan)
+    assert plan["message"] == estimate["message"]

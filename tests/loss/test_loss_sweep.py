@@ -33,12 +33,27 @@ MAX_PARAMETERS = 20_000_000
 #: Sizes some configs leave None to derive them from others in code that then divides by or raises them (hunyuan's and
 #: ministral's ``head_dim``, nemotron's ``num_key_value_heads``): set to the tiny value like the integers.
 _DERIVED = ("head_dim", "num_key_value_heads", "moe_intermediate_size")
+#: Families whose defaults the generic shrink cannot make run, with the few settings that do (given to
+#: ``AutoConfig.for_model`` before the shrink): dbrx's nested configs (and its default ``clip_qkv=None``, which its
+#: forward passes to ``clamp`` as both bounds), xmod's language adapters (a default language), reformer's position
+#: embeddings (plain ones: axial ones fix the training length), attention chunks, and no randomness: its layers
+#: draw their dropout and hashing seeds from ``torch.seed()``, so two forwards differ whatever seed the test sets.
+FAMILY_SETTINGS: dict[str, dict[str, object]] = {
+    "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    "xmod": {"default_language": "en_XX"},
+    "reformer": {"attention_head_size": 16, "feed_forward_size": 128, "attn_layers": ["local", "lsh"],
+                 "axial_pos_embds": False, "local_attn_chunk_length": 16, "lsh_attn_chunk_length": 16,
+                 "num_buckets": 4, "hash_seed": 0, "hidden_dropout_prob": 0.0,
+                 "local_attention_probs_dropout_prob": 0.0},
+}
 
 
 def _tiny_model(model_type: str) -> nn.Module | None:
     """The model of `model_type` at a tiny size, or None when the generic shrink does not give one that runs."""
     try:
-        config = AutoConfig.for_model(model_type)
+        config = AutoConfig.for_model(model_type, **FAMILY_SETTINGS.get(model_type, {}))
         for part in {id(c): c for c in (config, config.get_text_config())}.values():
             for key, value in TINY.items():
                 current = getattr(part, key, None)

@@ -41,9 +41,9 @@ import contextlib
 import math
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -277,11 +277,41 @@ def _grouped_mm_output(mat_a: Tensor, mat_b: Tensor, offs: Tensor | None = None,
     return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
-def simulation_mode(target: Target) -> TorchDispatchMode:
+def simulation_mode(target: Target, *, balanced_routing: bool = False) -> TorchDispatchMode:
     """The dispatch mode the simulated step runs under for ``target`` (enter it inside the fake mode, above any
     tracker): real integer inputs stay real, and on ``"cuda"`` attention backward workspaces are allocated. The
-    planner (`remat.planner.measure`) runs single blocks under it, as the step runs them."""
-    return _SimulationMode(cuda=target == "cuda")
+    planner (`remat.planner.measure`) runs single blocks under it, as the step runs them. ``balanced_routing``: see
+    `with_routing_fallback`."""
+    return _SimulationMode(cuda=target == "cuda", balanced_routing=balanced_routing)
+
+
+_Result = TypeVar("_Result")
+
+
+def with_routing_fallback(recipe: RecipeConfig, simulate: Callable[[bool], _Result]) -> tuple[_Result, bool]:
+    """``simulate(balanced_routing)``'s result, and whether it needed balanced routing: ``simulate(False)`` first and,
+    when the model's ops depend on values fake tensors do not have, ``simulate(True)``; a model that still does is
+    refused in one line (`ConfigError`). The estimate's step and the planner's block measurement go through here,
+    so they answer, and refuse, the same models.
+
+    # NOTE [ Expert routing the fake tensors cannot decide ]
+    # Some mixture-of-experts layers (longcat_flash, dbrx, jetmoe in transformers) loop over the experts a router
+    # chose: ``nonzero`` / ``where`` on the routing mask and ``.item()``, whose output shapes depend on values fake
+    # tensors do not have. When the step fails that way, it is simulated again with the routers' ``topk`` answering
+    # real indices, every expert given the same number of tokens (what load balancing aims for), so the loop runs on
+    # real integers and sizes each expert's batch. A real router's imbalance adds to its busiest experts'
+    # activations; the estimate says so in a note. Models whose experts run on fixed shapes (grouped_mm) never take
+    # this path."""
+    try:
+        return simulate(False), False
+    except _DATA_DEPENDENT:
+        pass
+    try:
+        return simulate(True), True
+    except _DATA_DEPENDENT as err:
+        raise ConfigError(f"model: {recipe.model.describe()} runs {getattr(err, 'func', 'an op')} on values fake "
+                          "tensors do not have, even with its expert routing fixed, so the estimate cannot simulate "
+                          "it; allowed: models whose every op has fixed output shapes") from err
 
 
 def _all_real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -322,29 +352,18 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
     ``blocks`` also records where each block's forward and backward start and end, and what each block got (the
     planner composes other policies' traces from these, `remat.estimate.compose`); ``stop_at_update`` ends the
     simulation where the optimizer update starts (a ``partial`` trace, whose blocks a composition can use: the update
-    does not depend on the policy).
-
-    # NOTE [ Expert routing the fake tensors cannot decide ]
-    # Some mixture-of-experts layers (longcat_flash, dbrx, jetmoe in transformers) loop over the experts a router
-    # chose: ``nonzero`` / ``where`` on the routing mask and ``.item()``, whose output shapes depend on values fake
-    # tensors do not have. When the step fails that way, it is simulated again with the routers' ``topk`` answering
-    # real indices, every expert given the same number of tokens (what load balancing aims for), so the loop runs on
-    # real integers and sizes each expert's batch. A real router's imbalance adds to its busiest experts'
-    # activations; the estimate says so in a note. Models whose experts run on fixed shapes (grouped_mm) never take
-    # this path."""
-    try:
-        return _simulate_step(recipe, run, blocks, stop_at_update, balanced_routing=False)
-    except _DATA_DEPENDENT:
-        pass
-    try:
-        trace = _simulate_step(recipe, run, blocks, stop_at_update, balanced_routing=True)
-    except _DATA_DEPENDENT as err:
-        raise ConfigError(f"model: {recipe.model.describe()} runs {getattr(err, 'func', 'an op')} on values fake "
-                          "tensors do not have, even with its expert routing fixed, so the estimate cannot simulate "
-                          "it; allowed: models whose every op has fixed output shapes") from err
-    trace.notes.append("expert routing depends on the data in this model: simulated with every expert given the "
-                       "same number of tokens (a real router's imbalance adds to its busiest experts' activations)")
+    does not depend on the policy). Models whose expert routing depends on the data are simulated with balanced
+    routing (`with_routing_fallback`), and the trace says so in a note."""
+    trace, balanced = with_routing_fallback(
+        recipe, lambda balanced_routing: _simulate_step(recipe, run, blocks, stop_at_update, balanced_routing))
+    if balanced:
+        trace.notes.append(ROUTING_NOTE)
     return trace
+
+
+ROUTING_NOTE: Final[str] = (
+    "expert routing depends on the data in this model: simulated with every expert given the same number of tokens "
+    "(a real router's imbalance adds to its busiest experts' activations)")
 
 
 def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,

@@ -48,7 +48,8 @@ from remat.errors import ConfigError
 from remat.estimate.attention import CudaAttention
 from remat.estimate.fake_model import build_fake_model
 from remat.estimate.run import SimulatedRun
-from remat.estimate.simulate import make_batch, simulation_mode
+from remat.estimate.choices import Target
+from remat.estimate.simulate import make_batch, simulation_mode, with_routing_fallback
 from remat.memory import LiveTensorTracker
 from remat.recipes.config import RecipeConfig
 
@@ -118,7 +119,9 @@ class BlockMeasurements:
 def measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurements:
     """Measure every candidate mode on one block of each kind of ``recipe``'s model (see the module docstring)."""
     with quiet_checkpointing_log():
-        return _measure_blocks(recipe, run)
+        measured, _ = with_routing_fallback(
+            recipe, lambda balanced_routing: _measure_blocks(recipe, run, balanced_routing))
+    return measured
 
 
 @contextlib.contextmanager
@@ -129,8 +132,9 @@ def quiet_checkpointing_log() -> Iterator[None]:
         yield
 
 
-def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurements:
+def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun, balanced_routing: bool) -> BlockMeasurements:
     start = time.perf_counter()
+    block_run = _BlockRun(run.target, _compute_dtype(recipe), balanced_routing)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
     if recipe.distributed.policy.block_pattern is not None:
@@ -140,16 +144,14 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
     groups = _group_blocks(search.blocks)
     vocab = int(net.config.get_text_config().vocab_size)
     batch = make_batch(recipe, run, vocab)
-    calls = _capture_calls(net, [group[0] for group in groups], batch, fake, run)
-    compute_dtype = _compute_dtype(recipe)
+    calls = _capture_calls(net, [group[0] for group in groups], batch, fake, block_run)
     share = recipe.distributed.cp_size  # NOTE [ block costs under context and tensor parallelism ]
     flops_share = share * recipe.distributed.tp_size
     kinds = []
     for group in groups:
         first = group[0]
         raw = {mode: (kept // share, flops // flops_share, peak // share)
-               for mode, (kept, flops, peak) in _measure_kind(net, first, calls[first.index], fake, run,
-                                                              compute_dtype).items()}
+               for mode, (kept, flops, peak) in _measure_kind(net, first, calls[first.index], fake, block_run).items()}
         base_flops = raw["none"][1]
         kinds.append(BlockKind(
             name=_kind_name(first, len(groups)),
@@ -170,8 +172,7 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun) -> BlockMeasurement
 
 
 def _measure_kind(net: nn.Module, block: Block, call: tuple[tuple[Any, ...], dict[str, Any]],
-                  fake: FakeTensorMode, run: SimulatedRun,
-                  compute_dtype: torch.dtype | None) -> dict[Mode, tuple[int, int, int]]:
+                  fake: FakeTensorMode, block_run: _BlockRun) -> dict[Mode, tuple[int, int, int]]:
     """(kept bytes, forward + backward FLOPs, backward peak) per mode the block gets, ``none`` first; a mode that
     falls back to one already measured (a KV-sharing producer's attention) is left out."""
     out: dict[Mode, tuple[int, int, int]] = {}
@@ -186,7 +187,7 @@ def _measure_kind(net: nn.Module, block: Block, call: tuple[tuple[Any, ...], dic
                 applied = apply_activation_checkpointing(net, policy).layers[block.index].mode
         try:
             if applied not in out:
-                out[applied] = _run_block(block.module, call, fake, run, compute_dtype)
+                out[applied] = _run_block(block.module, call, fake, block_run)
         finally:
             remove_activation_checkpointing(net)
             for param in block.module.parameters():
@@ -194,10 +195,30 @@ def _measure_kind(net: nn.Module, block: Block, call: tuple[tuple[Any, ...], dic
     return out
 
 
+@dataclass(frozen=True)
+class _BlockRun:
+    """How a block runs while it is measured: as in the simulated step (`remat.estimate.simulate.simulation_mode`,
+    with the same expert-routing fallback), with the step's attention kernel and compute dtype."""
+
+    target: Target
+    compute_dtype: torch.dtype | None
+    balanced_routing: bool
+
+    def __call__(self, fake: FakeTensorMode) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(fake)
+        if self.target == "cuda":
+            stack.enter_context(CudaAttention())
+        stack.enter_context(simulation_mode(self.target, balanced_routing=self.balanced_routing))
+        if self.compute_dtype is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=self.compute_dtype))
+        return stack
+
+
 def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], fake: FakeTensorMode,
-               run: SimulatedRun, compute_dtype: torch.dtype | None) -> tuple[int, int, int]:
+               block_run: _BlockRun) -> tuple[int, int, int]:
     args, kwargs = call
-    with fake, _attention(run), simulation_mode(run.target), _autocast(compute_dtype):
+    with block_run(fake):
         hidden, args, kwargs = _fresh_hidden(args, kwargs)
         with LiveTensorTracker() as tracker, FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
             result = module(*args, **kwargs)
@@ -205,10 +226,18 @@ def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], 
                 t for t in result if isinstance(t, torch.Tensor))
             kept = tracker.current_bytes - output.untyped_storage().nbytes()
             tracker.reset_peak()
-            output.backward(torch.ones_like(output))
+            if output.requires_grad:  # NOTE [ Blocks that compute without autograd ]
+                output.backward(torch.ones_like(output))
             backward_peak = tracker.peak_bytes - kept
             del result, output, hidden
     return kept, int(counter.get_total_flops()), backward_peak
+
+
+# NOTE [ Blocks that compute without autograd ]
+# Reversible layers (transformers' Reformer) run their forward under ``torch.no_grad()`` and are recomputed by the
+# model's own autograd function in backward: measured alone, the block keeps nothing and its output has no gradient
+# to follow. Every mode then costs what ``none`` costs, so the planner keeps such blocks as they are; the step the
+# estimate simulates for each candidate, with the model's own backward, prices it.
 
 
 def _fresh_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, tuple[Any, ...],
@@ -240,7 +269,7 @@ class _Captured(Exception):
 
 
 def _capture_calls(net: nn.Module, blocks: list[Block], batch: dict[str, torch.Tensor], fake: FakeTensorMode,
-                   run: SimulatedRun) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
+                   block_run: _BlockRun) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
     """The arguments each of ``blocks`` is called with in the model's forward on ``batch``."""
     calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     wanted = {block.index for block in blocks}
@@ -254,7 +283,7 @@ def _capture_calls(net: nn.Module, blocks: list[Block], batch: dict[str, torch.T
 
     handles = [block.module.register_forward_pre_hook(hook(block.index), with_kwargs=True) for block in blocks]
     try:
-        with fake, _attention(run), simulation_mode(run.target), torch.no_grad():
+        with block_run(fake), torch.no_grad():
             net(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     except _Captured:
         pass
@@ -295,14 +324,6 @@ def _compute_dtype(recipe: RecipeConfig) -> torch.dtype | None:
     """The dtype blocks compute in: the autocast dtype, or FSDP2's mixed-precision parameter dtype."""
     name = recipe.model.autocast or recipe.distributed.mixed_precision
     return getattr(torch, name) if name else None
-
-
-def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def _attention(run: SimulatedRun) -> contextlib.AbstractContextManager[Any]:
-    return CudaAttention() if run.target == "cuda" else contextlib.nullcontext()
 
 
 def _query_heads(query: Any, *shapes: Any) -> list[tuple[int, ...]]:
