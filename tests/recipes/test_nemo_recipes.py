@@ -301,4 +301,9 @@ def test_remat_estimate_of_the_published_recipe_reads_only_the_cached_config(tmp
     rows = estimate if isinstance(estimate, list) else estimate.get("estimates", [estimate])
     assert rows and all(row["peak_bytes"] > 0 for row in rows)
     assert "dataset._target_ make_squad_dataset: not read (this command reads no data)" in proc.stderr
+    # no tokenizer is cached: the model config's vocabulary, said in one line (not transformers' loader message)
+    assert ("the tokenizer of meta-llama/Llama-3.2-1B does not load here (not in the HF cache, or the repository has "
+            "none): estimating with the model config's vocabulary") in proc.stderr
+    assert "builtin tokenizer" not in proc.stderr and "Couldn't instantiate" not in proc.stderr
+    assert all(row["settings"]["vocab_size"] in (None, 8192) for row in rows)
     assert not (tmp_path / "home" / "datasets").exists()

@@ -191,22 +191,39 @@ def _check_tokenizer_files(location: Path, key: str) -> None:
                               "published tokenizer comes near it)")
 
 
-def _hub_tokenizer(hub_id: str, trust_remote_code: bool) -> PreTrainedTokenizerBase | None:
-    """The tokenizer of the Hub model `hub_id`, resolved as transformers does (the HF cache when offline); None,
-    said in a warning, when the repository has none that loads. A repository that cannot be reached at all is a
-    ConfigError naming the model key (the model could not be loaded either)."""
+def _hub_tokenizer(hub_id: str, trust_remote_code: bool) -> PreTrainedTokenizerBase | str:
+    """The tokenizer of the Hub model `hub_id`, resolved as transformers does (the HF cache when offline), or why
+    none loads (one line). A repository that cannot be reached at all is a ConfigError naming the model key (the
+    model could not be loaded either)."""
     offline_unless_reachable()
     try:
         tokenizer = AutoTokenizer.from_pretrained(hub_id, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         if not hub_model_available(hub_id):
             raise hub_load_error(_MODEL_KEY, hub_id, "load the tokenizer", exc) from exc
-        reason = " ".join(str(exc).split())
-        logger.warning("no tokenizer loads for the Hub model %s (%s); using the builtin tokenizer (set "
-                       "tokenizer.path to choose one)", hub_id, reason)
-        return None
+        return " ".join(str(exc).split())
     logger.info("loaded the tokenizer of the Hub model %s", hub_id)
     return tokenizer
+
+
+def _is_hub_id(model_path: str | None) -> bool:
+    return model_path is not None and not Path(model_path).expanduser().exists()
+
+
+def tokenizer_vocabulary(cfg: TokenizerConfig, model_path: str | None = None, *,
+                         trust_remote_code: bool = False) -> int | None:
+    """The number of tokens the recipe's run trains with, for a memory estimate (which reads no data): the length of
+    the tokenizer `build_tokenizer` loads, or None, the model config's vocabulary, when a Hub model's tokenizer does
+    not load here (not in the HF cache offline, or none in the repository), said in one line. The run grows the
+    embeddings only for a tokenizer with more tokens than the model has rows."""
+    if cfg.path is None and _is_hub_id(model_path):
+        tokenizer = _hub_tokenizer(str(model_path), trust_remote_code)
+        if isinstance(tokenizer, str):
+            logger.info("the tokenizer of %s does not load here (not in the HF cache, or the repository has none): "
+                        "estimating with the model config's vocabulary", model_path)
+            return None
+        return len(tokenizer)
+    return len(build_tokenizer(cfg, model_path, trust_remote_code=trust_remote_code))
 
 
 def build_tokenizer(cfg: TokenizerConfig, model_path: str | None = None, *,
@@ -227,10 +244,13 @@ def build_tokenizer(cfg: TokenizerConfig, model_path: str | None = None, *,
     if model_path is not None and has_tokenizer_files(Path(model_path).expanduser()):
         logger.info("loading the tokenizer from the model directory %s", model_path)
         return load_tokenizer_from_path(model_path, key=_MODEL_KEY, trust_remote_code=trust_remote_code)
-    if model_path is not None and not Path(model_path).expanduser().exists():
-        hub_tokenizer = _hub_tokenizer(model_path, trust_remote_code)
-        if hub_tokenizer is not None:
+    if _is_hub_id(model_path):
+        hub_tokenizer = _hub_tokenizer(str(model_path), trust_remote_code)
+        if not isinstance(hub_tokenizer, str):
             return hub_tokenizer
+        logger.warning("no tokenizer loads for the Hub model %s (%s); using the builtin tokenizer (set "
+                       "tokenizer.path to choose one)", model_path, hub_tokenizer)
+        return builtin_tokenizer(cfg.vocab_size)
     if model_path is not None:
         logger.info("%s has no tokenizer files; using the builtin tokenizer", model_path)
     return builtin_tokenizer(cfg.vocab_size)

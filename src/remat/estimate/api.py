@@ -253,9 +253,10 @@ def _config_mapping(mapping: Mapping[str, Any], *, published: bool = False) -> d
 
 def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSettings]:
     """The model (its config only: weights are never read) and step a `remat.recipes.config.RecipeConfig` trains,
-    with ``options`` overriding settings by name; the vocabulary is the recipe tokenizer's. A recipe for ``ddp`` /
-    ``fsdp2`` without ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch)."""
-    from remat.data import build_tokenizer
+    with ``options`` overriding settings by name; the vocabulary is the recipe tokenizer's (the model config's
+    where a Hub model's tokenizer does not load here: `remat.data.tokenizer.tokenizer_vocabulary`). A recipe for
+    ``ddp`` / ``fsdp2`` without ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch)."""
+    from remat.data.tokenizer import tokenizer_vocabulary
 
     d = cfg.distributed
     if d.strategy != "single" and d.dp_size is None and not options.get("world_size"):
@@ -265,9 +266,9 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
                   + (f" x cp {d.cp_size}" if d.cp_size > 1 else "") + (f" x tp {d.tp_size}" if d.tp_size > 1 else ""))
         logger.warning("distributed.dp_size is null (the launcher decides it): estimating %s; give world_size "
                        "(--world-size) for the number of processes you will launch", layout)
-    tokenizer = build_tokenizer(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path,
-                                trust_remote_code=cfg.model.trust_remote_code)
-    settings = StepSettings.from_recipe(cfg, vocab_size=len(tokenizer), **options)
+    vocab_size = tokenizer_vocabulary(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path,
+                                      trust_remote_code=cfg.model.trust_remote_code)
+    settings = StepSettings.from_recipe(cfg, vocab_size=vocab_size, **options)
     model = _without_weights(cfg.model)
     check_simulable(settings.to_recipe(model), settings.run())
     return model, settings
