@@ -41,7 +41,7 @@ def test_the_estimate_equals_the_real_steps_peak(model: str, dtype: str, policy:
 def test_a_float32_plan_fits_its_budget_in_the_real_step(model: str,
                                                          benchmark_script: Callable[[str], ModuleType]) -> None:
     step = StepSettings(batch_size=2, seq_length=64, dtype="float32", target="cpu")
-    planner = Planner(ModelConfig(config=MOE[model]), step)
+    planner = Planner.from_settings(ModelConfig(config=MOE[model]), step)
     peaks = {c.label: c.peak_bytes for c in planner.uniform_candidates(2**40)}
     budget = (peaks["full"] + peaks["none"]) // 2
     plan = planner.plan(budget)

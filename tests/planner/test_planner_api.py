@@ -139,7 +139,7 @@ def test_a_budget_below_every_plan_is_refused_after_pricing_full_alone() -> None
     """Below the floor (full's peak less one block's activations) the planner prices full only, not every
     candidate, before saying nothing fits (full's step is composed from the whole step without checkpointing, the
     one simulated first: NOTE [ The whole step composed from is the one that checkpoints nothing ])."""
-    planner = Planner(ModelConfig(preset="tiny-llama"), StepSettings(batch_size=4, seq_length=512, target="cpu"))
+    planner = Planner.from_settings(ModelConfig(preset="tiny-llama"), StepSettings(batch_size=4, seq_length=512, target="cpu"))
     with pytest.raises(ConfigError, match="nothing fits 1.00 MiB; the smallest plan \\(full\\)"):
         planner.plan(2**20)
     priced = list(planner._estimates)  # keys: each priced policy's settings, in order
@@ -249,7 +249,7 @@ def test_plans_for_kv_sharing_models_respect_the_producers_fallback() -> None:
     from remat.planner import Planner
 
     model = ModelConfig(preset="tiny-gemma3n")
-    planner = Planner(model, StepSettings(batch_size=2, seq_length=256, target="cpu"))  # activations matter
+    planner = Planner.from_settings(model, StepSettings(batch_size=2, seq_length=256, target="cpu"))  # activations matter
     peaks = {c.label: c.peak_bytes for c in planner.uniform_candidates(2**40)}
     assert peaks["full"] < peaks["none"]
     modes = []

@@ -50,7 +50,7 @@ class Planned:
 @pytest.fixture(scope="module", params=list(CASES))
 def planned(request: pytest.FixtureRequest) -> Planned:
     model, settings = CASES[request.param]
-    planner = Planner(model, StepSettings(target="cpu", **settings))
+    planner = Planner.from_settings(model, StepSettings(target="cpu", **settings))
     peaks = {c.label: c.peak_bytes for c in planner.uniform_candidates(2**40)}
     assert peaks["full"] < peaks["none"]
     budgets = [int(peaks["full"] + share * (peaks["none"] - peaks["full"])) for share in SHARES]
@@ -58,7 +58,7 @@ def planned(request: pytest.FixtureRequest) -> Planned:
 
 
 def _recipe(planner: Planner, policy: CheckpointPolicy) -> RecipeConfig:
-    return dataclasses.replace(planner.settings, policy=policy.to_dict()).to_recipe(planner.model)
+    return planner.recipe.with_checkpointing(policy)
 
 
 def _build(recipe: RecipeConfig) -> tuple[Any, list[torch.nn.Parameter], DistributedSetup, dict[str, torch.Tensor]]:
@@ -101,7 +101,7 @@ def _real_recompute_flops(planner: Planner, policy: CheckpointPolicy) -> int:
     # Keyed by what the planner plans for, not by id(planner): a fixture's planner freed after its tests may leave its
     # id to the next one, which then read the other model's FLOPs (seen: moe-fp32 given moe's selective count).
     def key(of: CheckpointPolicy) -> tuple[str, str, str]:
-        return repr(planner.model), repr(planner.settings), repr(of)
+        return repr(planner.recipe), repr(planner.run), repr(of)
 
     for key_policy in (CheckpointPolicy(mode="none"), policy):
         if key(key_policy) not in _FLOPS:

@@ -24,8 +24,13 @@ LLAMA = ModelConfig(preset="tiny-llama")  # 4 blocks, hidden 256, vocabulary 819
 SHAPE = {"batch_size": 2, "seq_length": 512}
 
 
+def _loss_flops(loss: str, shape: dict[str, object]) -> int:
+    settings = StepSettings(target="cpu", loss=loss, **shape)  # type: ignore[arg-type]
+    return count_loss_flops(settings.to_recipe(LLAMA), settings.run())
+
+
 def _full_peak(loss: str, model: Any = LLAMA, **shape: Any) -> int:
-    planner = Planner(model, StepSettings(target="cpu", loss=loss, **(shape or SHAPE)))
+    planner = Planner.from_settings(model, StepSettings(target="cpu", loss=loss, **(shape or SHAPE)))
     return planner.estimate(CheckpointPolicy(mode="full")).peak_bytes
 
 
@@ -48,7 +53,7 @@ def test_choose_takes_the_fused_loss_when_only_it_fits_and_the_real_step_stays_w
 def test_choose_keeps_the_plain_loss_when_the_fused_loss_is_not_faster() -> None:
     # bfloat16 over several token chunks: the fused loss recomputes the logits in backward (4 matmuls, not 3)
     shape = {"batch_size": 2, "seq_length": 1024, "dtype": "bfloat16"}
-    flops = {loss: count_loss_flops(StepSettings(target="cpu", loss=loss, **shape), LLAMA)
+    flops = {loss: _loss_flops(loss, shape)
              for loss in ("plain", "fused")}
     assert flops["fused"] > flops["plain"], flops
     plan = plan_activation_checkpointing(LLAMA, memory_budget="2GiB", target="cpu", loss_choice="choose", **shape)
@@ -61,7 +66,7 @@ def test_choose_keeps_the_plain_loss_when_the_fused_loss_is_not_faster() -> None
 
 def test_a_near_tie_keeps_the_recipes_own_loss() -> None:
     # float32: the fused loss runs the same matmuls on the labelled tokens only, a sliver fewer FLOPs than plain's
-    flops = {loss: count_loss_flops(StepSettings(target="cpu", loss=loss, **SHAPE), LLAMA) for loss in ("plain", "fused")}
+    flops = {loss: _loss_flops(loss, SHAPE) for loss in ("plain", "fused")}
     assert flops["fused"] < flops["plain"], flops
     plan = plan_activation_checkpointing(LLAMA, memory_budget="2GiB", target="cpu", loss_choice="choose", **SHAPE)
     assert (flops["plain"] - flops["fused"]) < NEAR_TIE * plan.step_flops

@@ -27,7 +27,7 @@ def _one_thread() -> object:
 
 
 def test_a_budget_only_offload_meets_is_planned_with_offload_and_its_copies_are_timed() -> None:
-    planner = Planner(MODEL, SETTINGS, host_bandwidth=10e9)
+    planner = Planner.from_settings(MODEL, SETTINGS, host_bandwidth=10e9)
     full = planner.estimate(CheckpointPolicy(mode="full"))
     budget = full.peak_bytes - 16 * 2**20  # full checkpointing misses it by 4 MiB; offloading its inputs saves more
     plan = planner.plan(budget)
@@ -50,4 +50,4 @@ def test_a_budget_only_offload_meets_is_planned_with_offload_and_its_copies_are_
 @pytest.mark.parametrize("bandwidth", [0, -1.0, True, "20GB/s"])
 def test_host_bandwidth_must_be_a_positive_number(bandwidth: object) -> None:
     with pytest.raises(ConfigError, match="host_bandwidth: got"):
-        Planner(MODEL, SETTINGS, host_bandwidth=bandwidth)  # type: ignore[arg-type]
+        Planner.from_settings(MODEL, SETTINGS, host_bandwidth=bandwidth)  # type: ignore[arg-type]

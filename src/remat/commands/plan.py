@@ -108,8 +108,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         write_json(args.json, report_dict(planner, frontier, answers))
     if args.png:
-        step_flops = planner.measurements.step_flops * planner.settings.grad_accumulation
-        logger.info("wrote %s", plot_plans(frontier, answers, args.png, step_flops=step_flops))
+        logger.info("wrote %s", plot_plans(frontier, answers, args.png, step_flops=planner.step_flops))
     return 0 if all(answer.plan is not None for answer in answers) else 1
 
 
@@ -159,11 +158,11 @@ def _model_planner(args: argparse.Namespace, source: str, step_flags: dict[str, 
                for budget in (args.budget or [None])]
     flops = _flops_per_second(args, target)
     if args.loss_choice == "choose":
-        chooser = LossChooser(lambda loss, kwargs: Planner(model, dataclasses.replace(settings, loss=loss,
-                                                                                      loss_kwargs=kwargs), flops),
-                              settings.loss, settings.loss_kwargs)
+        run = settings.run()
+        chooser = LossChooser(dataclasses.replace(settings, policy="none").to_recipe(model),
+                              lambda recipe: Planner(recipe, run, flops))
         return chooser, chooser.planner(chooser.own_loss), budgets
-    planner = Planner(model, settings, flops)
+    planner = Planner.from_settings(model, settings, flops)
     return planner, planner, budgets
 
 

@@ -33,11 +33,13 @@ from remat._files import read_regular_bytes
 from remat.errors import ConfigError
 from remat.estimate.isolation import call_in_child, needs_fresh_process
 from remat.estimate.replay import replay
+from remat.estimate.run import SimulatedRun
 from remat.estimate.settings import StepSettings
 from remat.estimate.simulate import StepTrace, check_simulable, simulate_step
 from remat.hub import hub_config_file, is_hub_id
 from remat.models import ModelConfig, get_preset, preset_names
 from remat.models.build import ignored_config_keys, resolve_model_config
+from remat.recipes.config import RecipeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -253,25 +255,54 @@ def _config_mapping(mapping: Mapping[str, Any], *, published: bool = False) -> d
 
 def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSettings]:
     """The model (its config only: weights are never read) and step a `remat.recipes.config.RecipeConfig` trains,
-    with ``options`` overriding settings by name; the vocabulary is the recipe tokenizer's (the model config's
-    where a Hub model's tokenizer does not load here: `remat.data.tokenizer.tokenizer_vocabulary`). A recipe for
-    ``ddp`` / ``fsdp2`` without ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch)."""
+    as keyword settings (the estimate's report and ``--compare`` grids), with ``options`` overriding settings by
+    name; the vocabulary is the recipe tokenizer's (the model config's where a Hub model's tokenizer does not load
+    here: `remat.data.tokenizer.tokenizer_vocabulary`). A recipe for ``ddp`` / ``fsdp2`` without
+    ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch)."""
+    _say_launcher_decides(cfg, options.get("world_size"))
+    settings = StepSettings.from_recipe(cfg, vocab_size=_recipe_vocabulary(cfg), **options)
+    model = _without_weights(cfg.model)
+    check_simulable(settings.to_recipe(model), settings.run())
+    return model, settings
+
+
+def recipe_step(cfg: Any, *, target: str, world_size: int | None = None,
+                **options: Any) -> tuple[RecipeConfig, SimulatedRun]:
+    """The step a recipe trains, as the simulation runs it: the recipe with its model's config in place of its
+    weights, and the run (``target``; ``world_size`` for a recipe without ``distributed.dp_size``; the recipe
+    tokenizer's vocabulary). Without ``options`` the validated recipe itself is the step; ``options``
+    (`remat.estimate.StepSettings` fields overriding the recipe's, a Python caller's keywords) go through
+    `settings_from_recipe` and one validation of the recipe they make."""
+    if options:
+        if world_size:
+            options["world_size"] = world_size
+        model, settings = settings_from_recipe(cfg, target=target, **options)
+        return settings.to_recipe(model), settings.run()
+    _say_launcher_decides(cfg, world_size)
+    d = cfg.distributed
+    run = SimulatedRun(target=target, vocab_size=_recipe_vocabulary(cfg),  # type: ignore[arg-type]
+                       world_size=world_size or (d.dp_size or 1) * d.cp_size * d.tp_size)
+    recipe = cfg.model_copy(update={"model": _without_weights(cfg.model)})
+    check_simulable(recipe, run)
+    return recipe, run
+
+
+def _recipe_vocabulary(cfg: Any) -> int | None:
     from remat.data.tokenizer import tokenizer_vocabulary
 
+    return tokenizer_vocabulary(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path,
+                                trust_remote_code=cfg.model.trust_remote_code)
+
+
+def _say_launcher_decides(cfg: Any, world_size: int | None) -> None:
     d = cfg.distributed
-    if d.strategy != "single" and d.dp_size is None and not options.get("world_size"):
+    if d.strategy != "single" and d.dp_size is None and not world_size:
         shared = d.cp_size * d.tp_size
         layout = ("one rank" if shared == 1 else
                   f"one data-parallel rank: {shared} processes, dp 1"
                   + (f" x cp {d.cp_size}" if d.cp_size > 1 else "") + (f" x tp {d.tp_size}" if d.tp_size > 1 else ""))
         logger.warning("distributed.dp_size is null (the launcher decides it): estimating %s; give world_size "
                        "(--world-size) for the number of processes you will launch", layout)
-    vocab_size = tokenizer_vocabulary(cfg.tokenizer, model_path=cfg.model.pretrained_model_name_or_path,
-                                      trust_remote_code=cfg.model.trust_remote_code)
-    settings = StepSettings.from_recipe(cfg, vocab_size=vocab_size, **options)
-    model = _without_weights(cfg.model)
-    check_simulable(settings.to_recipe(model), settings.run())
-    return model, settings
 
 
 def settings_dict(settings: StepSettings) -> dict[str, Any]:

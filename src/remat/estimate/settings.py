@@ -150,11 +150,7 @@ class StepSettings:
         cp_size = options.get("cp_size") or d.cp_size
         tp_size = options.get("tp_size") or d.tp_size
         world_size = options.pop("world_size", None) or (d.dp_size or 1) * cp_size * tp_size
-        data_parallel = world_size // (cp_size * tp_size)
-        accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * data_parallel)
-        if rest or accumulation < 1:
-            raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-                              f"({sched.local_batch_size}) x data-parallel ranks ({data_parallel}) x an integer")
+        accumulation = sched.accumulation_steps(world_size // (cp_size * tp_size), world_size)
         short = {target: name for name, target in LOSS_TARGETS.items()}
         loss = short.get(cfg.loss_fn.target, cfg.loss_fn.target)
         settings = cls(
@@ -174,6 +170,13 @@ class StepSettings:
             lr = cfg.optimizer.kwargs.get("lr")
             options.setdefault("optimizer_kwargs", {"lr": lr} if lr is not None else {})  # likewise, but keep lr
         return dataclasses.replace(settings, **options)
+
+
+def report_settings(recipe: RecipeConfig, run: SimulatedRun) -> StepSettings:
+    """The settings an estimate of ``recipe`` on ``run`` reports (its JSON row's columns, its label): derived from
+    the validated recipe, never turned back into one."""
+    return StepSettings.from_recipe(recipe, vocab_size=run.vocab_size, world_size=run.world_size, target=run.target,
+                                    documents_per_row=run.documents_per_row)
 
 
 def _policy_value(policy: CheckpointPolicy | None) -> Any:

@@ -548,11 +548,7 @@ def check_simulable(recipe: RecipeConfig, run: SimulatedRun) -> int:
         raise ConfigError(f"documents_per_row: {run.documents_per_row} documents do not fit a row of {seq_length} "
                           f"tokens; allowed: 1 to {seq_length // 2}")
     sched = recipe.step_scheduler
-    data_parallel = run.world_size // (d.cp_size * d.tp_size)
-    accumulation, rest = divmod(sched.global_batch_size, sched.local_batch_size * data_parallel)
-    if rest or accumulation < 1:
-        raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-                          f"({sched.local_batch_size}) x data-parallel ranks ({data_parallel}) x an integer")
+    accumulation = sched.accumulation_steps(run.world_size // (d.cp_size * d.tp_size), run.world_size)
     text_config = resolve_model_config(recipe.model).get_text_config()  # the layers (the vocabulary is not needed)
     check_simulated_sizes(batch_size=sched.local_batch_size, seq_length=seq_length, grad_accumulation=accumulation,
                           world_size=run.world_size, num_layers=getattr(text_config, "num_hidden_layers", None))

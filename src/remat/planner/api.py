@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from remat.errors import ConfigError
-from remat.estimate.api import ModelLike, resolve_model, settings_from_recipe
+from remat.estimate.api import ModelLike, recipe_step, resolve_model
+from remat.estimate.run import SimulatedRun
 from remat.estimate.isolation import call_in_child, needs_fresh_process
 from remat.estimate.settings import StepSettings
 from remat.models import ModelConfig
 from remat.checkpointing.budget import BudgetLike, MemoryBudget, parse_budget
 from remat.planner.calibration import calibrated_flops_per_second
-from remat.planner.loss_choice import LossChooser, check_loss_choice, recipe_loss_fn
+from remat.planner.loss_choice import LossChooser, check_choosable, check_loss_choice, recipe_loss_fn
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.planner.spelling import PYTHON, Spelling
@@ -80,13 +81,16 @@ def plan_model_step(model: ModelConfig, step: StepSettings, budget: int, *, flop
         return call_in_child("remat.planner.api:plan_model_step", model, step, budget,  # type: ignore[no-any-return]
                              flops_per_second=flops_per_second, all_candidates=all_candidates,
                              loss_choice=loss_choice, spelling=spelling)
-    if loss_choice == "choose":
-        chooser = LossChooser(lambda loss, kwargs: Planner(model, dataclasses.replace(step, loss=loss,
-                                                                                      loss_kwargs=kwargs),
-                                                           flops_per_second, spelling=spelling),
-                              step.loss, step.loss_kwargs)
-        return chooser.plan(budget, all_candidates=all_candidates)
-    return Planner(model, step, flops_per_second, spelling=spelling).plan(budget, all_candidates=all_candidates)
+    if check_loss_choice(loss_choice) == "choose":
+        check_choosable(step.loss)  # before the recipe is built (and its loss class resolved)
+    recipe, run = dataclasses.replace(step, policy="none").to_recipe(model), step.run()
+
+    def planner_for(step_recipe: RecipeConfig) -> Planner:
+        return Planner(step_recipe, run, flops_per_second, spelling=spelling)
+
+    planner: Planner | LossChooser = LossChooser(recipe, planner_for) if loss_choice == "choose" else planner_for(
+        recipe)
+    return planner.plan(budget, all_candidates=all_candidates)
 
 
 def planner_for_model(model: nn.Module | ModelLike, *, memory_budget: BudgetLike = None, target: str | None = None,
@@ -97,7 +101,7 @@ def planner_for_model(model: nn.Module | ModelLike, *, memory_budget: BudgetLike
     block measurements and simulated traces are kept), e.g. after an out-of-memory error in a Trainer's step.
     ``spelling``: how its errors name what would help (`remat.planner.spelling`)."""
     config, step, budget = _model_step(model, memory_budget, target, settings)
-    return Planner(config, step, flops_per_second, spelling=spelling), budget
+    return Planner.from_settings(config, step, flops_per_second, spelling=spelling), budget
 
 
 def _model_step(model: nn.Module | ModelLike, memory_budget: BudgetLike, target: str | None,
@@ -151,25 +155,33 @@ def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | N
 
 
 def loss_chooser_for_recipe(cfg: RecipeConfig, **options: Any) -> LossChooser:
-    """A `LossChooser` for the step ``cfg`` trains: `planner_for_recipe` with the plain and with the fused loss
-    (``options`` as there), the recipe's loss arguments carried over."""
-    return LossChooser(lambda loss, kwargs: planner_for_recipe(cfg, **options, loss=loss, loss_kwargs=kwargs),
-                       cfg.loss_fn.target, cfg.loss_fn.kwargs)
+    """A `LossChooser` for the step ``cfg`` trains, with the plain and with the fused loss (``options`` as for
+    `planner_for_recipe`), the recipe's loss arguments carried over."""
+    recipe, run, flops_per_second = _recipe_planning(cfg, **options)
+    return LossChooser(recipe, lambda step_recipe: Planner(step_recipe, run, flops_per_second))
 
 
-def planner_for_recipe(cfg: RecipeConfig, *, target: str | None = None, flops_per_second: float | None = None,
-                       **settings: Any) -> Planner:
+def planner_for_recipe(cfg: RecipeConfig, **options: Any) -> Planner:
     """A `Planner` for the step ``cfg`` trains on ``target`` (default: the device the recipe would train on).
     Recompute is priced at ``flops_per_second``, else at the throughput in the recipe's
-    ``activation_checkpointing.calibration`` (`remat.planner.calibration`), else at the target's default."""
+    ``activation_checkpointing.calibration`` (`remat.planner.calibration`), else at the target's default. Other
+    ``options``: ``world_size`` and `remat.estimate.StepSettings` fields overriding the recipe's
+    (`remat.estimate.api.recipe_step`)."""
+    recipe, run, flops_per_second = _recipe_planning(cfg, **options)
+    return Planner(recipe, run, flops_per_second)
+
+
+def _recipe_planning(cfg: RecipeConfig, *, target: str | None = None, flops_per_second: float | None = None,
+                     **options: Any) -> tuple[RecipeConfig, SimulatedRun, float | None]:
+    """The step ``cfg`` trains (`remat.estimate.api.recipe_step`) and the throughput its recompute is priced at."""
     target = target or default_target(cfg.distributed.device)
     calibration = cfg.distributed.auto.calibration if cfg.distributed.auto is not None else None
     if flops_per_second is None and calibration is not None:
         flops_per_second = calibrated_flops_per_second(calibration, target,
                                                        key="distributed.activation_checkpointing.calibration")
         logger.info("planner: recompute priced at %.3g FLOP/s from %s", flops_per_second, calibration)
-    model, step = settings_from_recipe(cfg, target=target, **settings)
-    return Planner(model, step, flops_per_second)
+    recipe, run = recipe_step(cfg, target=target, **options)
+    return recipe, run, flops_per_second
 
 
 def recipe_budget(cfg: RecipeConfig, budget: BudgetLike, target: str, *, key: str = "memory_budget") -> int:

@@ -28,12 +28,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from remat.errors import ConfigError
 from remat.estimate.choices import LOSS_TARGETS, short_loss
-from remat.estimate.settings import StepSettings
+from remat.estimate.run import SimulatedRun
 from remat.estimate.simulate import make_batch, simulation_mode, with_cuda_loss_defaults
 from remat.models.build import resolve_model_config
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
 from remat.recipes.build import build_loss
+from remat.recipes.config import RecipeConfig
+from remat.recipes.loader import with_loss
 
 LOSS_CHOICES: Final[tuple[str, ...]] = ("keep", "choose")
 """``keep``: plan for the recipe's own loss; ``choose``: plan for the plain and the fused loss, keep the faster."""
@@ -46,6 +48,15 @@ def check_loss_choice(value: object, key: str = "loss_choice") -> str:
     if value not in LOSS_CHOICES:
         raise ConfigError(f"{key}: got {value!r}; allowed: {', '.join(LOSS_CHOICES)}")
     return str(value)
+
+
+def check_choosable(loss: str) -> str:
+    """``loss`` short (``plain`` / ``fused``) when ``choose`` can pick it or the other, else one `ConfigError`."""
+    short = short_loss(loss)
+    if short not in LOSS_TARGETS:
+        raise ConfigError(f"{_KEY}: choose picks between {LOSS_TARGETS['plain']} and {LOSS_TARGETS['fused']}; "
+                          f"the recipe's loss_fn._target_ is {short!r}; use {_KEY}: keep")
+    return short
 
 
 _FUSED_KNOBS: Final[frozenset[str]] = frozenset({"chunk_size", "grad_strategy", "chunk_bytes", "backend", "compile"})
@@ -68,13 +79,11 @@ def carried_loss_kwargs(kwargs: Mapping[str, Any], loss: str) -> dict[str, Any]:
     return {name: value for name, value in kwargs.items() if name in taken}
 
 
-def count_loss_flops(settings: StepSettings, model: Any) -> int:
-    """Forward plus backward FLOPs of the output projection and ``settings.loss`` for one micro-batch, counted on
+def count_loss_flops(recipe: RecipeConfig, run: SimulatedRun) -> int:
+    """Forward plus backward FLOPs of the output projection and ``recipe``'s loss for one micro-batch, counted on
     fake tensors (per micro-batch; the output projection's weight in the parameter dtype)."""
-    recipe = settings.to_recipe(model)
-    if settings.target == "cuda":
+    if run.target == "cuda":
         recipe = with_cuda_loss_defaults(recipe)
-    run = settings.run()
     text = resolve_model_config(recipe.model).get_text_config()
     vocab = int(run.vocab_size or text.vocab_size)
     hidden_size = int(text.hidden_size)
@@ -82,7 +91,7 @@ def count_loss_flops(settings: StepSettings, model: Any) -> int:
     loss_fn = build_loss(recipe)
     dtype = getattr(torch, recipe.model.dtype)
     shape = (*batch["labels"].shape, hidden_size)
-    with FakeTensorMode(allow_non_fake_inputs=True), simulation_mode(settings.target):
+    with FakeTensorMode(allow_non_fake_inputs=True), simulation_mode(run.target):
         hidden = torch.empty(shape, dtype=dtype, requires_grad=True)
         weight = torch.empty((vocab, hidden_size), dtype=dtype, requires_grad=True)
         with FlopCounterMode(display=False) as counter:
@@ -101,21 +110,20 @@ step's predicted compute time (a time model of FLOPs at one throughput cannot te
 
 @dataclass
 class LossChooser:
-    """Plans one step for the plain and the fused loss (one `Planner` each, made by ``planner_for(loss, kwargs)``
-    when first needed) and answers each budget with the faster fitting plan (see the module docstring)."""
+    """Plans ``recipe``'s step for the plain and the fused loss (one `Planner` each, made by ``planner_for`` from a
+    copy of the recipe with that loss, `remat.recipes.loader.with_loss`, when first needed) and answers each budget
+    with the faster fitting plan (see the module docstring)."""
 
-    planner_for: Callable[[str, dict[str, Any]], Planner]
-    own_loss: str
-    own_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    recipe: RecipeConfig
+    planner_for: Callable[[RecipeConfig], Planner]
     _planners: dict[str, Planner] = field(init=False, default_factory=dict)
     _flops: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.own_loss = short_loss(self.own_loss)
-        if self.own_loss not in LOSS_TARGETS:
-            raise ConfigError(f"{_KEY}: choose picks between {LOSS_TARGETS['plain']} and {LOSS_TARGETS['fused']}; "
-                              f"the recipe's loss_fn._target_ is {self.own_loss!r}; use {_KEY}: keep")
-        self.kwargs = {loss: carried_loss_kwargs(self.own_kwargs, loss) for loss in self.losses}
+        self.own_loss = check_choosable(self.recipe.loss_fn.target)
+        loss_fn = self.recipe.loss_fn
+        self.recipes = {loss: with_loss(self.recipe, recipe_loss_fn(loss_fn.target, loss_fn.kwargs, loss))
+                        for loss in self.losses}
 
     @property
     def losses(self) -> tuple[str, ...]:
@@ -125,14 +133,14 @@ class LossChooser:
     def planner(self, loss: str) -> Planner:
         """The planner of the step with ``loss`` (made once)."""
         if loss not in self._planners:
-            self._planners[loss] = self.planner_for(loss, self.kwargs[loss])
-            self._flops[loss] = count_loss_flops(self._planners[loss].settings, self._planners[loss].model)
+            planner = self._planners[loss] = self.planner_for(self.recipes[loss])
+            self._flops[loss] = count_loss_flops(planner.recipe, planner.run)
         return self._planners[loss]
 
     def loss_flops(self, loss: str) -> int:
         """The FLOPs of ``loss`` (output projection included) per optimizer step."""
         planner = self.planner(loss)
-        return self._flops[loss] * planner.settings.grad_accumulation
+        return self._flops[loss] * planner.accumulation
 
     def plan(self, budget_bytes: int, *, all_candidates: bool = False) -> ActivationPlan:
         """The faster fitting plan of the two losses for ``budget_bytes``; when neither fits, the recipe's own

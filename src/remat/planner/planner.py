@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from remat.checkpointing import CheckpointingWarning, CheckpointPolicy
 from remat.checkpointing.policy import Mode
@@ -35,9 +35,10 @@ from remat.errors import CheckpointingError, ConfigError
 from remat.checkpointing.resolve import resolve_plan
 from remat.estimate.api import MemoryEstimate, estimate_of_trace
 from remat.estimate.compose import ParsedTrace, compose, parse
-from remat.estimate.simulate import StepTrace, block_layout, simulate_step
+from remat.estimate.run import SimulatedRun
+from remat.estimate.simulate import StepTrace, block_layout, check_simulable, simulate_step
 from remat.estimate.choices import short_loss
-from remat.estimate.settings import LOSS_TARGETS, StepSettings
+from remat.estimate.settings import LOSS_TARGETS, StepSettings, report_settings
 from remat.models import ModelConfig
 from remat.recipes.config import RecipeConfig
 from remat.planner.advice import moe_selective_note
@@ -76,42 +77,66 @@ _RELAX_FRACTION: Final[float] = 0.02  # a fitting plan with more slack than this
 
 @dataclass
 class Planner:
-    """Plans for one step (``model`` trained with ``settings``); `plan` answers one budget, reusing measurements and
-    estimates across calls."""
+    """Plans for one step, ``recipe`` (validated; its checkpointing policy is ignored) on ``run``; `plan` answers
+    one budget, reusing measurements and estimates across calls. `from_settings` plans the step of keyword settings
+    (`remat.estimate.StepSettings`, the Python and ``remat plan MODEL`` edge)."""
 
-    model: ModelConfig
-    settings: StepSettings
+    recipe: RecipeConfig
+    """The step; every candidate priced is a copy with another policy (`RecipeConfig.with_checkpointing`)."""
+    run: SimulatedRun
     flops_per_second: float | None = None
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     spelling: Spelling = RECIPE
     """How errors name the settings that would help (`remat.planner.spelling`): recipe keys by default."""
-    recipe: RecipeConfig = field(init=False)
-    """The step as a validated recipe (policy none): every candidate priced is a copy with another policy."""
+    accumulation: int = field(init=False)
+    """Micro-batches per optimizer step: recompute FLOPs and host copies are per step."""
     measurements: BlockMeasurements = field(init=False)
     _estimates: dict[str, MemoryEstimate] = field(init=False, default_factory=dict)
     _traces: list[ParsedTrace] = field(init=False, default_factory=list)
     """The steps simulated so far (policies `_composable`), which later policies are composed from."""
     _model_name: str = field(init=False, default="")
 
+    @classmethod
+    def from_settings(cls, model: ModelConfig, settings: StepSettings, flops_per_second: float | None = None,
+                      **options: Any) -> Planner:
+        """The planner of the step ``settings`` describe for ``model`` (its policy ignored): the recipe is built
+        and validated once (`StepSettings.to_recipe`)."""
+        settings = dataclasses.replace(settings, policy="none")
+        return cls(settings.to_recipe(model), settings.run(), flops_per_second, **options)
+
     def __post_init__(self) -> None:
-        self.settings = dataclasses.replace(self.settings, policy="none")
-        self.settings.validate()
         if self.flops_per_second is None:
-            self.flops_per_second = DEFAULT_FLOPS_PER_SECOND[self.settings.target]
+            self.flops_per_second = DEFAULT_FLOPS_PER_SECOND[self.run.target]
         elif not self.flops_per_second > 0:
             raise ConfigError(f"flops_per_second: got {self.flops_per_second!r}; allowed: a number > 0")
         if isinstance(self.host_bandwidth, bool) or not (isinstance(self.host_bandwidth, (int, float))
                                                          and self.host_bandwidth > 0):
             raise ConfigError(f"host_bandwidth: got {self.host_bandwidth!r}; allowed: bytes per second, a number > 0")
-        self.settings = dataclasses.replace(self.settings, dtype=self.settings.dtype or self.model.dtype,
-                                            autocast=self.settings.autocast or self.model.autocast)
-        self.recipe = self.settings.to_recipe(self.model)  # validated once: every candidate is a copy of it
-        self._model_name = self.model.describe()
-        self.measurements = measure_blocks(self.recipe, self.settings.run())
+        self.recipe = self.recipe.with_checkpointing(CheckpointPolicy(mode="none"))
+        self.accumulation = check_simulable(self.recipe, self.run)
+        self._model_name = self.recipe.model.describe()
+        self.measurements = measure_blocks(self.recipe, self.run)
         self._frontier = frontier(self.measurements)
         logger.info("planner: measured %d block kind(s) of %d blocks in %.1f s; %d Pareto-optimal assignments",
                     len(self.measurements.kinds), self.measurements.num_blocks, self.measurements.seconds,
                     len(self._frontier))
+
+    @property
+    def step_flops(self) -> int:
+        """Forward plus backward FLOPs of one optimizer step without checkpointing."""
+        return self.measurements.step_flops * self.accumulation
+
+    @property
+    def loss(self) -> str:
+        """The step's loss, short (``plain`` / ``fused``) where it is one of those."""
+        return short_loss(self.recipe.loss_fn.target)
+
+    def describe(self) -> str:
+        """The step in one line: model, batch, strategy, target."""
+        d, sched = self.recipe.distributed, self.recipe.step_scheduler
+        ranks = "" if d.strategy == "single" else f" over {self.run.world_size} ranks"
+        return (f"{self._model_name}: batch {sched.local_batch_size} x {self.recipe.dataset.seq_length}, "
+                f"{d.strategy}{ranks}, target {self.run.target}")
 
     # --- estimates ---------------------------------------------------------------------------------------------
 
@@ -120,20 +145,20 @@ class Planner:
         block's layout was in one of them (`remat.estimate.compose`), else simulated."""
         key = repr(sorted(policy.to_dict().items()))
         if key not in self._estimates:
-            settings = dataclasses.replace(self.settings, policy=policy.to_dict())
             with quiet_checkpointing_log(), warnings.catch_warnings():
                 # e.g. selective on MoE blocks: priced here; a plan that uses it says so itself (planner.advice)
                 warnings.simplefilter("ignore", CheckpointingWarning)
                 trace, how = self._composed(policy), "composed"
                 if trace is None:
-                    trace, how = self._simulated(policy, settings), "simulated"
-                estimate = estimate_of_trace(trace, settings, model=self._model_name)
+                    trace, how = self._simulated(policy), "simulated"
+                estimate = estimate_of_trace(trace, report_settings(self.recipe.with_checkpointing(policy), self.run),
+                                             model=self._model_name)
             logger.info("planner: estimate %d: %s -> predicted peak %s (%s in %.1f s)", len(self._estimates) + 1,
                         policy.describe(), format_bytes(estimate.peak_bytes), how, estimate.seconds)
             self._estimates[key] = estimate
         return self._estimates[key]
 
-    def _simulated(self, policy: CheckpointPolicy, settings: StepSettings) -> StepTrace:
+    def _simulated(self, policy: CheckpointPolicy) -> StepTrace:
         """The simulated step of ``policy``, kept for composing later policies. Once a whole step is kept, the
         simulation stops where the update starts (which no policy changes), and the step is composed from it.
 
@@ -148,7 +173,7 @@ class Planner:
         # nothing records every release of the code outside the blocks, and a block that holds longer records its
         # own release in its own segment: it is always simulated first and whole.
         """
-        recipe, run = self.recipe.with_checkpointing(policy), settings.run()
+        recipe, run = self.recipe.with_checkpointing(policy), self.run
         if not _composable(policy):
             return simulate_step(recipe, run, blocks=True)
         if not self._traces and policy.enabled:
@@ -274,14 +299,13 @@ class Planner:
 
     def _cheaper_uniforms(self, best: Candidate | None, budget_bytes: int) -> list[Candidate]:
         """The uniform policies that could beat ``best`` (fewer FLOPs), each priced by the estimate."""
-        accumulation = self.settings.grad_accumulation
         return [self._candidate(label, modes, budget_bytes, is_uniform=True) for label, modes in self._uniforms()
-                if best is None or totals(modes, self.measurements)[1] * accumulation < best.recompute_flops]
+                if best is None or totals(modes, self.measurements)[1] * self.accumulation < best.recompute_flops]
 
     def _offloaded_candidates(self, best: Candidate | None, budget_bytes: int, everything: bool) -> list[Candidate]:
         """The `OFFLOADED` policies (on a GPU) whose recompute alone takes less time than ``best`` (all of them with
         ``everything``), each priced by the estimate, with its host<->device copies."""
-        if self.settings.target != "cuda":
+        if self.run.target != "cuda":
             return []  # on the CPU the offload copies nothing and saves nothing
         assert self.flops_per_second is not None
         out = []
@@ -289,7 +313,7 @@ class Planner:
             modes = uniform(self.measurements, mode)
             if all(m == "none" for m in modes):
                 continue
-            flops = totals(modes, self.measurements)[1] * self.settings.grad_accumulation
+            flops = totals(modes, self.measurements)[1] * self.accumulation
             if everything or best is None or flops / self.flops_per_second < self._seconds(best):
                 out.append(self._candidate(label, modes, budget_bytes, is_uniform=True, offload=True))
         return out
@@ -310,9 +334,9 @@ class Planner:
         """``policy`` (block ``i`` in mode ``modes[i]``) as a candidate for ``budget_bytes``: its estimate, and its
         recompute FLOPs and host<->device copies per optimizer step."""
         estimate = self.estimate(policy)
-        flops = totals(modes, self.measurements)[1] * self.settings.grad_accumulation
+        flops = totals(modes, self.measurements)[1] * self.accumulation
         # every offloaded byte goes to the host and comes back, once per micro-batch
-        transfer = 2 * estimate.host_peak_bytes * self.settings.grad_accumulation
+        transfer = 2 * estimate.host_peak_bytes * self.accumulation
         return Candidate(label, policy, modes, estimate.peak_bytes, flops, estimate.peak_bytes <= budget_bytes,
                          is_uniform, transfer)
 
@@ -328,23 +352,22 @@ class Planner:
                                       recompute_flops=cost.recompute_flops,
                                       offload=best.policy.offload and mode != "none"))
         notes = []
-        if self.settings.target == "cuda":
+        if self.run.target == "cuda":
             notes.append(f"offloaded policies are timed with their host<->device copies at "
                          f"{self.host_bandwidth / 1e9:g} GB/s, not overlapped with compute")
         moe_note = moe_selective_note(best.modes, m)
         if moe_note is not None:
             logger.warning("planner: %s", moe_note)
             notes.append(moe_note)
-        if self.settings.grad_accumulation > 1:
-            notes.append(f"FLOPs are per optimizer step ({self.settings.grad_accumulation} micro-batches); bytes "
-                         "per micro-batch")
+        if self.accumulation > 1:
+            notes.append(f"FLOPs are per optimizer step ({self.accumulation} micro-batches); bytes per micro-batch")
         assert self.flops_per_second is not None
         return ActivationPlan(
             policy=best.policy, budget_bytes=budget_bytes, peak_bytes=best.peak_bytes,
-            recompute_flops=best.recompute_flops, step_flops=m.step_flops * self.settings.grad_accumulation,
-            flops_per_second=self.flops_per_second, target=self.settings.target, blocks=tuple(blocks),
+            recompute_flops=best.recompute_flops, step_flops=self.step_flops,
+            flops_per_second=self.flops_per_second, target=self.run.target, blocks=tuple(blocks),
             candidates=tuple(candidates), notes=tuple(notes), transfer_bytes=best.transfer_bytes,
-            host_bandwidth=self.host_bandwidth, loss=short_loss(self.settings.loss),
+            host_bandwidth=self.host_bandwidth, loss=self.loss,
         )
 
     def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate], *, uniforms: bool = True) -> ConfigError:
@@ -352,18 +375,19 @@ class Planner:
         ``uniforms`` is False: below the floor, full is the smallest) and what would help."""
         priced = self.uniform_candidates(budget_bytes) if uniforms else []
         smallest = min([*candidates, *priced], key=lambda c: (c.peak_bytes, c.recompute_flops))
-        s, words = self.settings, self.spelling
+        words, batch = self.spelling, self.recipe.step_scheduler.local_batch_size
+        strategy, seq_length = self.recipe.distributed.strategy, self.recipe.dataset.seq_length
         helps = []
-        if s.batch_size > 1:
-            helps.append(words.batch.format(now=s.batch_size))
-        if s.strategy != "fsdp2":
+        if batch > 1:
+            helps.append(words.batch.format(now=batch))
+        if strategy != "fsdp2":
             helps.append(words.fsdp)
-        elif s.world_size > 1:
-            helps.append(words.more_ranks.format(ranks=s.world_size))
-        if LOSS_TARGETS.get(s.loss, s.loss) == LOSS_TARGETS["plain"]:  # not a loss that holds no logits already
+        elif self.run.world_size > 1:
+            helps.append(words.more_ranks.format(ranks=self.run.world_size))
+        if self.recipe.loss_fn.target == LOSS_TARGETS["plain"]:  # not a loss that holds no logits already
             helps.append(words.fused_loss)
-        if s.seq_length > 2:
-            helps.append(words.seq_length.format(now=s.seq_length))
+        if seq_length > 2:
+            helps.append(words.seq_length.format(now=seq_length))
         described = smallest.policy.describe()
         name = smallest.label if smallest.label == described else f"{smallest.label}: {described}"
         return ConfigError(

@@ -46,8 +46,8 @@ def measurements_dict(m: BlockMeasurements) -> dict[str, Any]:
 def report_dict(planner: Planner, frontier: Sequence[Candidate], answers: Sequence[BudgetAnswer]) -> dict[str, Any]:
     """The whole `remat plan` answer as one JSON-ready mapping."""
     return {
-        "model": planner.model.describe(),
-        "target": planner.settings.target,
+        "model": planner.recipe.model.describe(),
+        "target": planner.run.target,
         "flops_per_second": planner.flops_per_second,
         "measurements": measurements_dict(planner.measurements),
         "frontier": [candidate.to_dict() for candidate in frontier],
@@ -58,16 +58,11 @@ def report_dict(planner: Planner, frontier: Sequence[Candidate], answers: Sequen
 def report_text(planner: Planner, frontier: Sequence[Candidate], answers: Sequence[BudgetAnswer]) -> str:
     """The `remat plan` printout: the frontier, then per budget the plan (or why nothing fits)."""
     m = planner.measurements
-    s = planner.settings
-    lines = [
-        f"{planner.model.describe()}: batch {s.batch_size} x {s.seq_length}, {s.strategy}"
-        f"{'' if s.strategy == 'single' else f' over {s.world_size} ranks'}, target {s.target}; "
-        f"{m.num_blocks} blocks of {len(m.kinds)} kind(s) measured in {m.seconds:.1f} s",
-        "",
-    ]
+    lines = [f"{planner.describe()}; {m.num_blocks} blocks of {len(m.kinds)} kind(s) measured in {m.seconds:.1f} s",
+             ""]
     if frontier:
         lines += ["frontier: uniform policies (peak by the estimate, recompute per step):",
-                  *candidate_rows(frontier, m.step_flops * s.grad_accumulation, fits=False)]
+                  *candidate_rows(frontier, planner.step_flops, fits=False)]
     else:
         lines.append("frontier: not priced (no budget reaches the smallest plan's peak; each budget says what it needs)")
     for answer in answers:

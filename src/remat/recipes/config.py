@@ -117,6 +117,19 @@ class StepSchedulerConfig(StrictModel):
         """``max_steps`` is to be derived from ``num_epochs`` (no ``max_steps`` was written)."""
         return self.num_epochs is not None and "max_steps" not in self.model_fields_set
 
+    def accumulation_steps(self, dp_size: int, world_size: int | None = None) -> int:
+        """Micro-batches per optimizer step on ``dp_size`` data-parallel ranks (of ``world_size`` processes, said
+        in the error): ``global_batch_size / (local_batch_size x dp_size)``; one `ConfigError` when that is not an
+        integer. The one place this arithmetic is done (the launch, the estimate and its keyword settings)."""
+        per_step = self.local_batch_size * dp_size
+        if self.global_batch_size % per_step:
+            of = f", of {world_size} processes" if world_size is not None else ""
+            raise ConfigError(
+                f"step_scheduler.global_batch_size: {self.global_batch_size} is not local_batch_size "
+                f"({self.local_batch_size}) x dp_size ({dp_size}{of}) x an integer number of accumulation steps; "
+                f"allowed: a multiple of {per_step}")
+        return self.global_batch_size // per_step
+
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> StepSchedulerConfig:
         if self.global_batch_size % self.local_batch_size:

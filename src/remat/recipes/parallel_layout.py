@@ -17,17 +17,10 @@ def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]
     if cfg.peft is not None and cfg.distributed.strategy == "fsdp2":
         raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
                           "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
-    sched = cfg.step_scheduler
-    per_step = sched.local_batch_size * dp_size
-    if sched.global_batch_size % per_step:
-        raise ConfigError(
-            f"step_scheduler.global_batch_size: {sched.global_batch_size} is not local_batch_size "
-            f"({sched.local_batch_size}) x dp_size ({dp_size}, of {world_size} processes) x an integer number of "
-            f"accumulation steps; allowed: a multiple of {per_step}"
-        )
+    accumulation = cfg.step_scheduler.accumulation_steps(dp_size, world_size)
     if d.cp_size > 1:
         _check_context_heads(cfg)
-    return dp_size, sched.global_batch_size // per_step
+    return dp_size, accumulation
 
 
 def _check_context_heads(cfg: RecipeConfig) -> None:
