@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from remat.commands.host_memory import CHECKED_ENV, check_offload_host_memory, checked_before_launch
+from remat.commands.host_memory import check_offload_host_memory, checked_before_launch
 from remat.errors import ConfigError
 from remat.recipes.loader import validate_recipe
 
@@ -62,7 +62,6 @@ def test_remat_finetune_refuses_before_building_anything(tmp_path: Path, monkeyp
     from remat.cli import main
 
     monkeypatch.setattr("remat.memory.host.available_host_bytes", lambda: 1024)
-    monkeypatch.delenv(CHECKED_ENV, raising=False)
     recipe = tmp_path / "offload.yaml"
     recipe.write_text(f"model: {{preset: tiny-llama}}\ndataset: {{seq_length: {SEQ}}}\n"
                       f"step_scheduler: {{global_batch_size: {BATCH}, local_batch_size: {BATCH}, max_steps: 1}}\n"
@@ -76,13 +75,53 @@ def test_remat_finetune_refuses_before_building_anything(tmp_path: Path, monkeyp
 
 
 def test_workers_of_a_checked_launch_do_not_check_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's verdict is recorded beside the plan in the run's directory (no environment variable) and read
+    by its own workers only: its descendants, of the same recipe, world size and ranks on the node."""
+    import json
+    import os
+
     from remat.commands.host_memory import check_in_worker
 
-    monkeypatch.delenv(CHECKED_ENV, raising=False)
     monkeypatch.setattr("remat.memory.host.available_host_bytes", lambda: 10 * PER_RANK)
     cfg = _recipe(tmp_path, world_size=2)
+    verdict = tmp_path / "host_memory.json"
     with checked_before_launch(cfg, local_ranks=2, world_size=2):
+        saved = json.loads(verdict.read_text())
+        assert [entry["needed_bytes"] for entry in saved["hosts"].values()] == [2 * PER_RANK]
         monkeypatch.setattr("remat.memory.host.available_host_bytes", lambda: 0)
-        check_in_worker(cfg, local_ranks=2, world_size=2)  # marked as checked: no second estimate, no error
+        with pytest.raises(ConfigError, match="offloading activations needs"):
+            check_in_worker(cfg, local_ranks=2, world_size=2)  # this process is the launcher, not its descendant
+        monkeypatch.setattr("remat.commands.host_memory._ancestors", lambda: {os.getpid()})  # as a worker sees it
+        check_in_worker(cfg, local_ranks=2, world_size=2)  # recorded by its launcher: no second estimate, no error
+        with pytest.raises(ConfigError, match="offloading activations needs"):
+            check_in_worker(cfg, local_ranks=1, world_size=2)  # other ranks on the node: checked again
+        with pytest.raises(ConfigError, match="offloading activations needs"):
+            check_in_worker(_recipe(tmp_path, world_size=4), local_ranks=2, world_size=4)  # another recipe / size
+    assert not verdict.exists()  # removed after the launch
     with pytest.raises(ConfigError, match="offloading activations needs"):
-        check_in_worker(cfg, local_ranks=2, world_size=2)  # the mark is gone after the launch
+        check_in_worker(cfg, local_ranks=2, world_size=2)
+
+
+def test_a_planted_verdict_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verdict file that is a link, or that names a launcher which is not this worker's ancestor, is ignored."""
+    import json
+    import os
+    import socket
+
+    from remat.commands.host_memory import _ancestors, _fingerprint, check_in_worker
+
+    assert os.getppid() in _ancestors() and os.getpid() not in _ancestors()
+    monkeypatch.setattr("remat.memory.host.available_host_bytes", lambda: 0)
+    cfg = _recipe(tmp_path, world_size=2)
+    entry = {"local_ranks": 2, "needed_bytes": 1, "launcher_pid": os.getpid()}
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"fingerprint": _fingerprint(cfg, 2), "hosts": {socket.gethostname(): entry}}))
+    (tmp_path / "host_memory.json").symlink_to(outside)
+    monkeypatch.setattr("remat.commands.host_memory._ancestors", lambda: {os.getpid()})
+    with pytest.raises(ConfigError, match="offloading activations needs"):
+        check_in_worker(cfg, local_ranks=2, world_size=2)
+    (tmp_path / "host_memory.json").unlink()
+    (tmp_path / "host_memory.json").write_text(outside.read_text())
+    monkeypatch.setattr("remat.commands.host_memory._ancestors", lambda: {1234567})  # an earlier launcher
+    with pytest.raises(ConfigError, match="offloading activations needs"):
+        check_in_worker(cfg, local_ranks=2, world_size=2)

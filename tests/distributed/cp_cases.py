@@ -103,7 +103,7 @@ def planned(model: torch.nn.Module, fused: bool, strategy: str, cp_size: int) ->
     """`remat.plan_activation_checkpointing` for a rank's step (its row shards, the job's ranks), with a budget
     midway between the estimated none and full peaks, made on rank 0 and sent to the others (each rank could plan
     alike; one child's imports on 2 cores is what this saves). The worker has joined its process group, so the
-    estimates and the plan run in child processes (`remat.estimate.isolation`). Checks that the plan fits and is
+    estimates and the plan run in child processes (`remat._child`). Checks that the plan fits and is
     neither none nor full."""
     import torch.distributed as dist
 

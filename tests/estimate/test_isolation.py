@@ -1,5 +1,5 @@
 """From a process that joined a process group (a torchrun worker), an estimate or a plan of a step with FSDP2 or
-context parallelism runs in a child process (`remat.estimate.isolation`) and answers what it answers outside one.
+context parallelism runs in a child process (`remat._child`) and answers what it answers outside one.
 Planning ``auto`` on 4 context-parallel ranks goes this way in tests/distributed/test_context_parallel.py."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from tiny import tiny_recipe
 
 from remat import estimate_memory, plan_activation_checkpointing
 from remat.errors import ConfigError
-from remat.estimate.isolation import call_in_child, child_environment, needs_fresh_process
+from remat._child import call_in_child, child_environment, needs_fresh_process
+from remat.estimate.api import estimate_memory as estimate_function
 
 STEP = {"batch_size": 2, "seq_length": 64, "strategy": "fsdp2", "world_size": 2, "policy": "full", "target": "cpu"}
 
@@ -60,12 +61,34 @@ def test_an_fsdp2_recipe_is_planned_inside_a_process_group(joined: None) -> None
 
 def test_the_childs_config_error_is_raised_here_with_its_message() -> None:
     with pytest.raises(ConfigError, match="no-such-model"):
-        call_in_child("remat.estimate.api:estimate_memory", "no-such-model")
+        call_in_child(estimate_function, "no-such-model")
 
 
-def test_a_child_runs_only_the_estimate_and_the_planner() -> None:
-    with pytest.raises(ValueError, match="is not one of"):
-        call_in_child("os:system", "true")
+def test_a_child_runs_only_remats_marked_functions() -> None:
+    import os
+
+    from remat.planner.api import plan_recipe_auto
+
+    with pytest.raises(ValueError, match="system is not a function of remat marked child_call"):
+        call_in_child(os.system, "true")
+    with pytest.raises(ValueError, match="plan_recipe_auto is not a function of remat marked child_call"):
+        call_in_child(plan_recipe_auto, None)
+
+
+def test_the_child_refuses_an_unmarked_target_sent_to_it() -> None:
+    """The mark is checked in the child too: a pickled request naming any other function is refused there."""
+    import pickle
+    import subprocess
+    import sys
+
+    from remat._child import SAFE_PYTHON_FLAGS
+
+    for target in ("os:system", "remat.planner.api:plan_recipe_auto"):
+        proc = subprocess.run([sys.executable, *SAFE_PYTHON_FLAGS, "-m", "remat._child"],
+                              input=pickle.dumps((target, ("true",), {})), capture_output=True, env=child_environment(),
+                              check=False, timeout=120)
+        assert proc.returncode == 1 and not proc.stdout
+        assert b"is not a function of remat marked child_call" in proc.stderr
 
 
 def test_the_child_joins_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

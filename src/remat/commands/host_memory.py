@@ -9,24 +9,30 @@ of it too). Too little is one `ConfigError` line before anything is built; enoug
 the run will hold. On the CPU the offload copies nothing (the tensors already live in host memory): nothing to
 check.
 
-``remat finetune --nproc-per-node N`` checks once per node, in the launcher, and tells its workers so
-(`CHECKED_ENV`); a worker started by another launcher checks for its node itself.
+``remat finetune --nproc-per-node N`` checks once per node, in the launcher, and records the verdict beside the
+run's plan file, in ``<output_dir>/host_memory.json`` (`HOST_MEMORY_FILE`): per host, the ranks checked for, the
+bytes needed and the launcher's process id, under a fingerprint of the recipe (without its ``checkpoint`` section)
+and the world size. A worker skips its own check only for a verdict of its own recipe, world size, host and ranks
+recorded by a launcher that is one of its ancestor processes (so a file left by an earlier launch, or by another
+node's launcher on a shared file system, is never taken for this one); any other worker checks for its node itself.
+Nothing passes through the environment.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import socket
 from collections.abc import Iterator
-from typing import Any, Final
+from pathlib import Path
+from typing import Any
 
 from remat.errors import ConfigError
+from remat.recipes.run_safety.output_paths import HOST_MEMORY_FILE
 
 logger = logging.getLogger(__name__)
-
-CHECKED_ENV: Final[str] = "REMAT_OFFLOAD_HOST_MEMORY_CHECKED"
-"""Set by the launcher in its workers' environment once it has checked the node's host memory."""
 
 
 def offloads(policy: Any) -> bool:
@@ -74,27 +80,101 @@ def check_offload_host_memory(cfg: Any, *, local_ranks: int, world_size: int,
 
 @contextlib.contextmanager
 def checked_before_launch(cfg: Any, *, local_ranks: int | None, world_size: int | None) -> Iterator[None]:
-    """The launcher's check (once per node, when it knows the ranks), then, while the block launches the workers,
-    the mark in the environment that spares them a second one."""
+    """The launcher's check (once per node, when it knows the ranks), recorded for its workers while the block
+    launches them (the record is removed after)."""
     if local_ranks is None or world_size is None:
         yield
         return
-    check_offload_host_memory(cfg, local_ranks=local_ranks, world_size=world_size)
-    before = os.environ.get(CHECKED_ENV)
-    os.environ[CHECKED_ENV] = "1"
+    needed = check_offload_host_memory(cfg, local_ranks=local_ranks, world_size=world_size)
+    recorded = needed > 0 and _record(cfg, local_ranks=local_ranks, world_size=world_size, needed=needed)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[CHECKED_ENV]
-        else:
-            os.environ[CHECKED_ENV] = before
+        if recorded:
+            _forget(cfg)
 
 
 def check_in_worker(cfg: Any, *, local_ranks: int, world_size: int) -> None:
-    """A worker's check, unless its launcher made it already."""
-    if os.environ.get(CHECKED_ENV) != "1":
+    """A worker's check, unless its launcher recorded one for this recipe, world size, host and ranks."""
+    if not _recorded_for_this_worker(cfg, local_ranks=local_ranks, world_size=world_size):
         check_offload_host_memory(cfg, local_ranks=local_ranks, world_size=world_size)
+
+
+def _record(cfg: Any, *, local_ranks: int, world_size: int, needed: int) -> bool:
+    """Write this host's verdict into the run's `HOST_MEMORY_FILE` (other hosts' entries of the same fingerprint
+    kept); False, with a warning, when it cannot be written (the workers then check themselves)."""
+    from remat._files import write_atomic
+
+    path = Path(cfg.output_dir) / HOST_MEMORY_FILE
+    fingerprint = _fingerprint(cfg, world_size)
+    saved = _read(path, fingerprint) or {"fingerprint": fingerprint, "hosts": {}}
+    saved["hosts"][socket.gethostname()] = {"local_ranks": local_ranks, "needed_bytes": needed,
+                                            "launcher_pid": os.getpid()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(saved, indent=2) + "\n", "host memory verdict", durable=False)
+    except (ConfigError, OSError) as err:
+        logger.warning("the host-memory verdict was not recorded for the workers (%s); each checks itself", err)
+        return False
+    return True
+
+
+def _forget(cfg: Any) -> None:
+    """Remove this host's entry (the whole file when it was the last)."""
+    from remat._files import write_atomic
+
+    path = Path(cfg.output_dir) / HOST_MEMORY_FILE
+    saved = _read(path, None)
+    if saved is None:
+        return
+    saved["hosts"].pop(socket.gethostname(), None)
+    with contextlib.suppress(ConfigError, OSError):
+        if saved["hosts"]:
+            write_atomic(path, json.dumps(saved, indent=2) + "\n", "host memory verdict", durable=False)
+        else:
+            path.unlink()
+
+
+def _recorded_for_this_worker(cfg: Any, *, local_ranks: int, world_size: int) -> bool:
+    saved = _read(Path(cfg.output_dir) / HOST_MEMORY_FILE, _fingerprint(cfg, world_size))
+    entry = saved["hosts"].get(socket.gethostname()) if saved is not None else None
+    return (isinstance(entry, dict) and entry.get("local_ranks") == local_ranks
+            and isinstance(entry.get("launcher_pid"), int) and entry["launcher_pid"] in _ancestors())
+
+
+def _read(path: Path, fingerprint: str | None) -> dict[str, Any] | None:
+    """The verdict file when it is a regular file of at most 1 MiB holding ``fingerprint`` (any, for None)."""
+    from remat._files import read_regular_bytes
+
+    if not path.is_file() or path.is_symlink():
+        return None
+    try:
+        saved = json.loads(read_regular_bytes(path, "host memory verdict", limit=2**20, follow_symlinks=False))
+    except (ConfigError, OSError, ValueError):
+        return None
+    if not (isinstance(saved, dict) and isinstance(saved.get("hosts"), dict)):
+        return None
+    return saved if fingerprint is None or saved.get("fingerprint") == fingerprint else None
+
+
+def _fingerprint(cfg: Any, world_size: int) -> str:
+    from remat.planner.handoff import recipe_fingerprint
+
+    return recipe_fingerprint(cfg, world_size=world_size)
+
+
+def _ancestors() -> set[int]:
+    """The process ids above this one (Linux's /proc; empty elsewhere, so a worker there checks itself)."""
+    out: set[int] = set()
+    pid = os.getppid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the command name is the parent's id
+    return out
 
 
 def _offloads_from_a_gpu(device: str) -> bool:

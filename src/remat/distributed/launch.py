@@ -21,13 +21,11 @@ import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, fields
 
+from remat._child import SAFE_PYTHON_FLAGS
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-#: Interpreter flags of every Python process remat starts: no working directory on the import path (``-P``, Python
-#: 3.11+), unbuffered output (what torchrun gives its workers).
-SAFE_PYTHON_FLAGS: tuple[str, ...] = ("-P", "-u")
 #: --nproc-per-node values torchrun accepts besides a positive integer.
 NPROC_KEYWORDS: tuple[str, ...] = ("auto", "gpu", "cpu")
 MAX_PORT = 65535

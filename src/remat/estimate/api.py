@@ -29,9 +29,9 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from remat._child import call_in_child, child_call, needs_fresh_process
 from remat._files import read_regular_bytes
 from remat.errors import ConfigError
-from remat.estimate.isolation import call_in_child, needs_fresh_process
 from remat.estimate.replay import replay
 from remat.estimate.run import SimulatedRun
 from remat.estimate.settings import StepSettings
@@ -115,6 +115,7 @@ class MemoryEstimate:
         return breakdown_table(self, capacity_bytes=capacity_bytes)
 
 
+@child_call
 def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, label: str = "",
                     **options: Any) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``model`` without allocating it.
@@ -124,7 +125,7 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
     loss="fused", strategy="fsdp2", world_size=8)``. Raises `ConfigError` for an unknown model or option, a value out
     of range, or a combination the estimate does not model. Called from a process that joined a process group
     (a torchrun worker), a step with FSDP2 or context parallelism is estimated in a child process
-    (`remat.estimate.isolation`).
+    (`remat._child`).
     """
     unknown = sorted(set(options) - set(_SETTING_NAMES))
     if unknown:
@@ -134,8 +135,8 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
     model_cfg = resolve_model(model)
     settings = dataclasses.replace(settings, dtype=settings.dtype or model_cfg.dtype,
                                    autocast=settings.autocast or model_cfg.autocast)
-    if needs_fresh_process(settings.strategy, settings.cp_size):  # inside a distributed job: `remat.estimate.isolation`
-        return call_in_child("remat.estimate.api:estimate_memory", model_cfg, settings, label=label)
+    if needs_fresh_process(settings.strategy, settings.cp_size):  # inside a distributed job: `remat._child`
+        return call_in_child(estimate_memory, model_cfg, settings, label=label)
     return estimate_recipe(settings.to_recipe(model_cfg), settings, model=model_cfg.describe(), label=label)
 
 

@@ -640,7 +640,7 @@ def _process_group(strategy: str, world_size: int, cp_size: int = 1) -> Iterator
         raise ConfigError(f"distributed.strategy: simulating {strategy!r} needs its own (fake) process group, but this "
                           "process already joined one; allowed inside a distributed job: remat.estimate_memory or "
                           "remat.plan_activation_checkpointing, which run it in a child process "
-                          "(remat.estimate.isolation), or a Planner built outside the job")
+                          "(remat._child), or a Planner built outside the job")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat._child import call_in_child, child_call, needs_fresh_process
 from remat.errors import ConfigError
 from remat.estimate.api import ModelLike, recipe_step, resolve_model
 from remat.estimate.run import SimulatedRun
-from remat.estimate.isolation import call_in_child, needs_fresh_process
 from remat.estimate.settings import StepSettings
 from remat.models import ModelConfig
 from remat.checkpointing.budget import BudgetLike, MemoryBudget, parse_budget
@@ -71,14 +71,15 @@ def plan_activation_checkpointing(
                            loss_choice=loss_choice)
 
 
+@child_call
 def plan_model_step(model: ModelConfig, step: StepSettings, budget: int, *, flops_per_second: float | None = None,
                     all_candidates: bool = False, loss_choice: str = "keep",
                     spelling: Spelling = PYTHON) -> ActivationPlan:
     """`plan_activation_checkpointing` once its arguments are resolved: the plan for ``step`` of ``model`` under
     ``budget`` bytes. From a process that joined a process group, a step with FSDP2 or context parallelism is
-    planned in a child process (`remat.estimate.isolation`)."""
+    planned in a child process (`remat._child`)."""
     if needs_fresh_process(step.strategy, step.cp_size):
-        return call_in_child("remat.planner.api:plan_model_step", model, step, budget,  # type: ignore[no-any-return]
+        return call_in_child(plan_model_step, model, step, budget,  # type: ignore[no-any-return]
                              flops_per_second=flops_per_second, all_candidates=all_candidates,
                              loss_choice=loss_choice, spelling=spelling)
     if check_loss_choice(loss_choice) == "choose":
@@ -133,16 +134,17 @@ def plan_recipe_auto(cfg: RecipeConfig, *, world_size: int | None = None) -> tup
     return planned, plan
 
 
+@child_call
 def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | None = None,
                 flops_per_second: float | None = None, all_candidates: bool = False, loss_choice: str = "keep",
                 **settings: Any) -> ActivationPlan:
     """The plan for the step ``cfg`` trains (its policy ignored) under ``budget`` (default: the recipe's
     ``activation_checkpointing.memory_budget``); ``loss_choice="choose"`` also chooses the loss (`loss_chooser_for_recipe`).
     From a process that joined a process group, a step with FSDP2 or context parallelism is planned in a child
-    process (`remat.estimate.isolation`)."""
+    process (`remat._child`)."""
     target = target or default_target(cfg.distributed.device)
     if needs_fresh_process(cfg.distributed.strategy, cfg.distributed.cp_size):
-        return call_in_child("remat.planner.api:plan_recipe", cfg,  # type: ignore[no-any-return]
+        return call_in_child(plan_recipe, cfg,  # type: ignore[no-any-return]
                              budget=recipe_budget(cfg, budget, target), target=target,
                              flops_per_second=flops_per_second, all_candidates=all_candidates,
                              loss_choice=loss_choice, **settings)

@@ -54,14 +54,20 @@ def planned_recipe(cfg: RecipeConfig, *, world_size: int, writes: bool) -> Recip
 
 
 def _fingerprint(cfg: RecipeConfig, world_size: int) -> str:
-    recipe = cfg.model_dump(mode="json", by_alias=True, exclude={"checkpoint"})
     budget = recipe_budget(cfg, None, default_target(cfg.distributed.device))
+    return recipe_fingerprint(cfg, world_size=world_size, budget_bytes=budget)
+
+
+def recipe_fingerprint(cfg: RecipeConfig, **facts: Any) -> str:
+    """A digest of what a launcher's record for its workers depends on: the recipe without its ``checkpoint``
+    section (a requeued job resumes with other ``checkpoint.resume``), remat's version and ``facts`` (JSON values:
+    the world size, the budget in bytes)."""
+    recipe = cfg.model_dump(mode="json", by_alias=True, exclude={"checkpoint"})
     try:
         remat_version = version("remat")
     except PackageNotFoundError:  # a source tree on the import path, not installed
         remat_version = "source"
-    text = json.dumps({"recipe": recipe, "world_size": world_size, "budget_bytes": budget, "remat": remat_version},
-                      sort_keys=True)
+    text = json.dumps({"recipe": recipe, **facts, "remat": remat_version}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -18,26 +18,17 @@ fits never pays for it.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import subprocess
-import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Final
 
-import torch.distributed as dist
-
+from remat._child import call_in_child, child_call, needs_fresh_process
 from remat.checkpointing import CheckpointPolicy, parse_policy
-from remat.distributed.launch import SAFE_PYTHON_FLAGS
 from remat.errors import ConfigError
-from remat.estimate.isolation import child_environment
 from remat.planner.api import default_target, planner_for_recipe, recipe_budget
 from remat.planner.planner import Planner
 from remat.planner.adapt.relaxing import forward_backward_peak, relaxed_plan
 from remat.recipes.config import RecipeConfig
-from remat.recipes.loader import validate_recipe
 from remat.recipes.adaptation.relax_watch import Stretch
 from remat.recipes.adaptation.retry import Overshoot, Replan, size
 
@@ -51,13 +42,13 @@ class PlanAdapter:
     """Re-plans for ``budget_bytes`` (per rank) starting from ``policy`` (the plan applied at start).
 
     ``make_planner`` builds the `Planner` of the run's step (`remat.planner.api.planner_for_recipe`); it is called
-    once, on the first re-plan (or when a resumed run needs a description). ``child``: the recipe (validated, JSON
-    types) and world size to plan in a child process when this process has joined a process group (the estimate
-    simulates fsdp2 in a process group of its own, which a process can have only one of); see `plan_in_child`.
+    once, on the first re-plan (or when a resumed run needs a description). ``child``: the recipe and world size to
+    re-plan in a child process (`remat._child`) when its step needs one there (`needs_fresh_process`: FSDP2 or
+    context parallelism, from a process that joined a process group); see `replan_in_child`.
     """
 
     def __init__(self, make_planner: Callable[[], Planner], *, budget_bytes: int, policy: CheckpointPolicy,
-                 child: tuple[dict[str, Any], int] | None = None) -> None:
+                 child: tuple[RecipeConfig, int] | None = None) -> None:
         self._make_planner = make_planner
         self._planner: Planner | None = None
         self._budget = budget_bytes
@@ -81,7 +72,10 @@ class PlanAdapter:
 
     @property
     def _in_child(self) -> bool:
-        return self._child is not None and dist.is_available() and dist.is_initialized()
+        if self._child is None:
+            return False
+        d = self._child[0].distributed
+        return needs_fresh_process(d.strategy, d.cp_size)
 
     def describe(self) -> str:
         """The policy in force and its predicted peak."""
@@ -93,7 +87,7 @@ class PlanAdapter:
     def replan(self, overshoot: Overshoot) -> Replan:
         """The plan for the corrected planning budget (module docstring); `ConfigError` when nothing fits it."""
         if self._in_child:
-            return self._answer_in_child({"overshoot": dataclasses.asdict(overshoot)})
+            return self._answer_in_child(overshoot)
         estimate = self.planner.estimate(self.policy)
         self.overshot_peak = min(estimate.peak_bytes, self.overshot_peak or estimate.peak_bytes)
         predicted = forward_backward_peak(estimate)
@@ -120,7 +114,7 @@ class PlanAdapter:
         if not self.policy.enabled:  # nothing recomputed: no planner built, no child started
             return "it checkpoints nothing, so there is nothing to relax"
         if self._in_child:
-            return self._answer_in_child({"stretch": dataclasses.asdict(stretch)})
+            return self._answer_in_child(stretch)
         old = self.describe()
         relaxed = relaxed_plan(self.planner, self.policy, stretch, barred_peak=self.overshot_peak)
         if isinstance(relaxed, str):
@@ -130,11 +124,11 @@ class PlanAdapter:
         return Replan(policy=plan.policy, old=old,
                       new=f"{self.describe()} planned for {size(relaxed.planning_budget)}; {relaxed.describe()}")
 
-    def _answer_in_child(self, request: dict[str, Any]) -> Replan | str:
+    def _answer_in_child(self, request: Overshoot | Stretch) -> Replan | str:
         assert self._child is not None
-        answer, state = plan_in_child(*self._child, self.state_dict(), request)
+        answer, state = call_in_child(replan_in_child, *self._child, self.state_dict(), request)
         self.load_state_dict(state)
-        return answer
+        return answer  # type: ignore[no-any-return]
 
     def state_dict(self) -> dict[str, Any]:
         """The policy in force, its predicted peak, the planning budget it was chosen for and the lowest predicted
@@ -162,80 +156,20 @@ class PlanAdapter:
 def adapter_for_recipe(cfg: RecipeConfig, *, world_size: int = 1) -> PlanAdapter:
     """The `PlanAdapter` of a recipe whose ``auto`` was planned (`plan_recipe_auto`; its plan is the policy applied
     at start), for its ``memory_budget`` on ``world_size`` processes."""
-    data = cfg.model_dump(mode="json", by_alias=True)
     target = default_target(cfg.distributed.device)
     options = {"world_size": world_size} if world_size > 1 and cfg.distributed.strategy != "single" else {}
     return PlanAdapter(lambda: planner_for_recipe(cfg, target=target, **options),
                        budget_bytes=recipe_budget(cfg, None, target), policy=cfg.distributed.policy,
-                       child=(data, world_size))
+                       child=(cfg, world_size))
 
 
-@dataclass(frozen=True)
-class _Message:
-    """One JSON line between a worker and its planning child (`plan_in_child`): a request (``recipe``,
-    ``world_size``, the adapter's ``state`` and one of ``overshoot`` / ``stretch``) or an answer (the adapter's new
-    ``state`` with ``replan`` or ``kept``, or ``error``). Written and read here only."""
-
-    recipe: dict[str, Any] | None = None
-    world_size: int = 1
-    state: dict[str, Any] | None = None
-    overshoot: dict[str, Any] | None = None
-    stretch: dict[str, Any] | None = None
-    replan: dict[str, Any] | None = None
-    kept: str | None = None
-    error: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v is not None})
-
-    @classmethod
-    def from_json(cls, text: str) -> _Message:
-        return cls(**json.loads(text))
-
-
-def plan_in_child(recipe: dict[str, Any], world_size: int, state: dict[str, Any],
-                  request: dict[str, Any]) -> tuple[Replan | str, dict[str, Any]]:
-    """`PlanAdapter.replan` (``request``: ``{"overshoot": ...}``) or `PlanAdapter.relax` (``{"stretch": ...}``)
-    run by ``python -P -m remat.planner.adapt.adapter`` in a child process without a process group (with this process's
-    import path, and not its working directory: `remat.distributed.launch.SAFE_PYTHON_FLAGS`), one `_Message` each
-    way: returns the answer and the adapter's new state; `ConfigError` with the child's message when it finds no
-    plan, `RuntimeError` with its output when it fails otherwise."""
-    message = _Message(recipe=recipe, world_size=world_size, state=state, **request)
-    proc = subprocess.run([sys.executable, *SAFE_PYTHON_FLAGS, "-m", "remat.planner.adapt.adapter"],
-                          input=message.to_json(), capture_output=True, text=True, env=child_environment(),
-                          check=False)
-    lines = proc.stdout.strip().splitlines()
-    answer = _Message.from_json(lines[-1]) if proc.returncode == 0 and lines else None
-    if answer is None:
-        raise RuntimeError(f"re-planning in a child process failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    if answer.error is not None:
-        raise ConfigError(answer.error)
-    assert answer.state is not None
-    if answer.kept is not None:
-        return answer.kept, answer.state
-    assert answer.replan is not None
-    replan = answer.replan
-    return Replan(policy=parse_policy(replan["policy"]), old=replan["old"], new=replan["new"]), answer.state
-
-
-def _child_main() -> None:
-    """The child of `plan_in_child`: one `_Message` on stdin, one as the last line of stdout."""
-    request = _Message.from_json(sys.stdin.read())
-    assert request.recipe is not None and request.state is not None
-    adapter = adapter_for_recipe(validate_recipe(request.recipe), world_size=request.world_size)
-    adapter.load_state_dict(request.state)
-    try:
-        replan = (adapter.replan(Overshoot(**request.overshoot)) if request.overshoot is not None
-                  else adapter.relax(Stretch(**(request.stretch or {}))))
-    except ConfigError as err:
-        print(_Message(error=str(err)).to_json())
-        return
-    if isinstance(replan, str):
-        print(_Message(kept=replan, state=adapter.state_dict()).to_json())
-        return
-    print(_Message(replan={"policy": replan.policy.to_dict(), "old": replan.old, "new": replan.new},
-                   state=adapter.state_dict()).to_json())
-
-
-if __name__ == "__main__":
-    _child_main()
+@child_call
+def replan_in_child(cfg: RecipeConfig, world_size: int, state: dict[str, Any],
+                    request: Overshoot | Stretch) -> tuple[Replan | str, dict[str, Any]]:
+    """`PlanAdapter.replan` (an `Overshoot`) or `PlanAdapter.relax` (a `Stretch`) of the run's adapter in ``state``,
+    run in a child process (`remat._child`): the answer and the adapter's new state. A `ConfigError` (no plan fits)
+    comes back to the worker with its message."""
+    adapter = adapter_for_recipe(cfg, world_size=world_size)
+    adapter.load_state_dict(state)
+    answer = adapter.replan(request) if isinstance(request, Overshoot) else adapter.relax(request)
+    return answer, adapter.state_dict()

@@ -19,6 +19,7 @@ LOCK_FILE = ".remat.lock"
 REPORT_FILE = "report.png"
 WANDB_ID_FILE = "wandb_run_id"
 PLAN_FILE = "auto_plan.json"
+HOST_MEMORY_FILE = "host_memory.json"
 #: The longest name of one path component on the file systems remat runs on (ext4, xfs, btrfs, NFS: 255 bytes).
 MAX_NAME_BYTES = 255
 
@@ -74,6 +75,7 @@ class OutputPaths:
         yield self.output_dir / REPORT_FILE, "run report"
         yield self.output_dir / WANDB_ID_FILE, "logging.wandb run id file"
         yield self.output_dir / PLAN_FILE, "auto plan file"
+        yield self.output_dir / HOST_MEMORY_FILE, "host memory verdict"
         if self.metrics_file is not None:
             yield self.metrics_file, "logging.metrics_file"
         if self.checkpoint_dir is not None:
