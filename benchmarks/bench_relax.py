@@ -1,4 +1,4 @@
-"""What relaxing a plan at run time buys on the CPU (`remat.recipes.adaptation.relax_watch`): a tiny Llama whose first plan is
+"""What relaxing a plan at run time buys on the CPU (`remat.adaptation.relax_watch`): a tiny Llama whose first plan is
 ``full`` (a conservative plan, as if planned for a smaller budget) under a budget 20% above its predicted
 no-checkpointing peak, relaxing after a stable stretch; against a run given the relaxed plan from the start.
 
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from remat.checkpointing import CheckpointPolicy
-from remat.planner.adapt.adapter import adapter_for_recipe
-from remat.planner.adapt.relaxing import modes_of
+from remat.adaptation.adapter import adapter_for_recipe
+from remat.adaptation.relaxing import modes_of
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 from remat.recipes.reports.reporting import StepRecord

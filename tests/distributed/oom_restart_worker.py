@@ -21,10 +21,10 @@ import torch.distributed as dist
 from dist_recipes import leave_process_group
 from replan_worker import budget_and_extra, outcomes, recipe
 
-from remat.planner.adapt.adapter import adapter_for_recipe
+from remat.adaptation.adapter import adapter_for_recipe
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
-from remat.training_state.oom_notes import NOTE_PREFIX, restart_generation
+from remat.adaptation.oom_notes import NOTE_PREFIX, restart_generation
 
 OOM_STEP = 3
 

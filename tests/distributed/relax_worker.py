@@ -21,7 +21,7 @@ from dist_recipes import leave_process_group
 from replan_worker import outcomes, recipe
 
 from remat.checkpointing import CheckpointPolicy
-from remat.planner.adapt.adapter import adapter_for_recipe
+from remat.adaptation.adapter import adapter_for_recipe
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 

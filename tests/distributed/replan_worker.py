@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_recipes import TINY_MODEL, leave_process_group
 
 from remat.checkpointing import CheckpointPolicy
-from remat.planner.adapt.adapter import adapter_for_recipe
+from remat.adaptation.adapter import adapter_for_recipe
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
 

@@ -204,7 +204,7 @@ def test_an_out_of_memory_error_in_a_steps_first_micro_batch_is_replanned_and_re
     blocks = trainer.model.model.layers
     assert not all(is_checkpointed(block) for block in blocks)  # the budget's plan leaves some blocks alone
     calls = _out_of_memory_at(trainer, backward=3)  # step 2, micro-batch 1
-    with caplog.at_level(logging.WARNING, logger="remat.integrations.hf_trainer"):
+    with caplog.at_level(logging.WARNING, logger="remat"):
         trainer.train()
     assert len(calls) == 9  # 4 steps x 2 micro-batches, and the failed one again
     line = next(r.getMessage() for r in caplog.records if "re-planned" in r.getMessage())
@@ -221,7 +221,7 @@ def test_an_out_of_memory_error_in_a_later_micro_batch_is_raised_with_why(
     trainer = _trainer(tmp_path)
     remat.prepare_trainer(trainer, "auto", memory_budget=_budget_near_none(trainer), target="cpu")
     _out_of_memory_at(trainer, backward=4)  # step 2, micro-batch 2: micro-batch 1's gradients are accumulated
-    with caplog.at_level(logging.ERROR, logger="remat.integrations.hf_trainer"):
+    with caplog.at_level(logging.ERROR, logger="remat"):
         with pytest.raises(torch.OutOfMemoryError, match="injected"):
             trainer.train()
     assert any("out of memory in step 2 under" in r.getMessage() and "not retried: a later micro-batch of the step"
@@ -287,7 +287,7 @@ def test_memory_the_planner_cannot_see_is_caught_after_the_first_step_and_re_pla
     embedding = trainer.model.get_input_embeddings()
     embedding.register_forward_hook(lambda module, args, out: setattr(module, "held", torch.ones(hidden_elements)))
     plan = remat.prepare_trainer(trainer, "auto", memory_budget=budget, target="cpu")
-    with caplog.at_level(logging.WARNING, logger="remat.integrations.hf_trainer"):
+    with caplog.at_level(logging.WARNING, logger="remat"):
         trainer.train()
     (line,) = [r.getMessage() for r in caplog.records if "over the predicted" in r.getMessage()]
     assert line.startswith("remat: step 2 peaked at ") and "the trainer's step holds memory the planner does not " \
@@ -302,7 +302,7 @@ def test_a_first_step_as_predicted_keeps_the_plan_and_says_so_at_info(tmp_path: 
     trainer = _trainer(tmp_path)
     budget = _budget_near_none(trainer)
     remat.prepare_trainer(trainer, "auto", memory_budget=budget, target="cpu", log_memory=False)
-    with caplog.at_level(logging.INFO, logger="remat.integrations.hf_trainer"):
+    with caplog.at_level(logging.INFO, logger="remat"):
         trainer.train()
     lines = [r.getMessage() for r in caplog.records if "peaked at" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("remat: step 2 peaked at ") and "predicted" in lines[0]

@@ -1,4 +1,4 @@
-"""Relaxing ``auto`` at run time (remat.recipes.adaptation.relax_watch + remat.planner.adapt.relaxing), on real CPU steps of the tiny Llama of
+"""Relaxing ``auto`` at run time (remat.adaptation.relax_watch + remat.adaptation.relaxing), on real CPU steps of the tiny Llama of
 test_replan.py: a first plan made by a planner that over-predicts every peak by 20% (so it recomputes more than the
 budget needs) relaxes after a stable stretch to a plan with less recompute, with the same losses and gradient norms
 as a run given that plan from the start; a relaxed plan that goes over is re-planned, the step retried, and relaxing
@@ -18,13 +18,13 @@ from test_replan import outcomes, recipe, scaled, train
 from remat.checkpointing import CheckpointPolicy
 from remat.errors import ConfigError
 from remat.planner import Planner
-from remat.planner.adapt.adapter import PlanAdapter, forward_backward_peak
+from remat.adaptation.adapter import PlanAdapter, forward_backward_peak
 from remat.planner.choose import totals
-from remat.planner.adapt.relaxing import modes_of, relaxed_plan
+from remat.adaptation.relaxing import modes_of, relaxed_plan
 from remat.recipes.finetune import FinetuneRecipe
 from remat.recipes.loader import validate_recipe
-from remat.recipes.adaptation.relax_watch import RELAX_MARGIN, RelaxWatch, Stretch
-from remat.recipes.adaptation.retry import size
+from remat.adaptation.relax_watch import RELAX_MARGIN, RelaxWatch, Stretch
+from remat.adaptation.retry import size
 
 # test_replan's fixtures: the true planner of its recipe's step, the budget, an isolated tokenizer cache.
 planner, budget, _isolated_cache = test_replan.planner, test_replan.budget, test_replan._isolated_cache

@@ -1,4 +1,4 @@
-"""Run-time re-planning of ``auto`` (remat.recipes.adaptation.retry + remat.planner.adapt), on real CPU steps of a tiny Llama
+"""Run-time re-planning of ``auto`` (remat.adaptation.retry + remat.adaptation), on real CPU steps of a tiny Llama
 with dropout: a first plan that under-predicts its peak, or an injected out-of-memory error, is re-planned and the
 step retried, ending with the same losses and gradient norms as a run planned right from the start (exactly equal:
 checkpointing recomputes bit for bit on the CPU, the retried step redraws the same dropout masks and micro-batches);
@@ -22,12 +22,12 @@ from remat.errors import ConfigError, MemoryBudgetError
 from remat.estimate.api import MemoryEstimate
 from remat.planner import Planner
 from remat.planner.api import planner_for_recipe
-from remat.planner.adapt.adapter import PlanAdapter, adapter_for_recipe, forward_backward_peak
+from remat.adaptation.adapter import PlanAdapter, adapter_for_recipe, forward_backward_peak
 from remat.recipes.config import AUTO_KEYS
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
-from remat.recipes.adaptation.retry import Overshoot, size
-from remat.training_state.oom_notes import OutOfMemoryNote, write_note
+from remat.adaptation.retry import Overshoot, size
+from remat.adaptation.oom_notes import OutOfMemoryNote, write_note
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""Out-of-memory notes (`remat.training_state.oom_notes`): what a rank of several that ran out of memory
+"""Out-of-memory notes (`remat.adaptation.oom_notes`): what a rank of several that ran out of memory
 leaves for the restarted run, which note a restart re-plans from, which are stale, and that ``--restart`` moves
 them aside with the checkpoints; and the launcher's default ``--max-restarts`` under ``auto``."""
 
@@ -13,7 +13,7 @@ import pytest
 from remat.commands.finetune import restarts_for_replanning
 from remat.distributed.launch import LaunchOptions
 from remat.recipes.loader import validate_recipe
-from remat.training_state.oom_notes import (
+from remat.adaptation.oom_notes import (
     OutOfMemoryNote,
     clear_notes,
     note_path,

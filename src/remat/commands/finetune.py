@@ -210,7 +210,7 @@ def _check_before_start(data: dict[str, Any], options: Any) -> None:
 def restarts_for_replanning(options: Any, cfg: Any) -> Any:
     """`options` with ``--max-restarts`` set to ``max_replans`` for an ``auto`` recipe on several processes that did
     not give it: an out-of-memory error on one rank is re-planned after torchrun restarts the workers
-    (`remat.training_state.oom_notes`). Given explicitly (0 included), it is kept."""
+    (`remat.adaptation.oom_notes`). Given explicitly (0 included), it is kept."""
     import dataclasses
 
     auto = cfg.distributed.auto
@@ -224,10 +224,10 @@ def restarts_for_replanning(options: Any, cfg: Any) -> Any:
 
 
 def _run_time_replanner(cfg: Any, world_size: int) -> Any:
-    """The re-planner of an ``auto`` run (`remat.planner.adapt`), or None with ``max_replans: 0``."""
+    """The re-planner of an ``auto`` run (`remat.adaptation`), or None with ``max_replans: 0``."""
     if cfg.distributed.auto.max_replans == 0:
         return None
-    from remat.planner.adapt.adapter import adapter_for_recipe
+    from remat.adaptation.adapter import adapter_for_recipe
 
     return adapter_for_recipe(cfg, world_size=world_size)
 

@@ -14,7 +14,6 @@ ranks included, is the Trainer's.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import types
 import warnings
@@ -26,26 +25,18 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from remat.checkpointing import (
-    CheckpointPlan,
-    apply_activation_checkpointing,
-    parse_policy,
-    remove_activation_checkpointing,
-)
+from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, parse_policy
 from remat.checkpointing.hf_native import disable_hf_checkpointing, is_hf_checkpointing
-from remat.checkpointing.plan import planned_policy
 from remat.errors import ConfigError
 from remat.loss.trl_head import TRLFusedLMHead, trl_forward, trl_head_options
 from remat.loss import FusedLinearCrossEntropy, output_head, verify_output_head
 from remat.memory import StepMemoryMeter
 from remat.planner import ActivationPlan
-from remat.planner.adapt.adapter import PlanAdapter
+from remat.adaptation.adapter import PlanAdapter
 from remat.planner.api import planner_for_model
 from remat.planner.spelling import TRAINER
 from remat.recipes.build import lora_section
-from remat.planner.adapt.relaxing import forward_backward_peak
-from remat.recipes.adaptation.retry import OUT_OF_MEMORY, Overshoot, size
-from remat.training_state.layout import capture_rng_state, restore_rng_state
+from remat.adaptation.trainer import FirstStepCheck, MicroBatchRetry, leaving_no_trace
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +45,6 @@ LOSSES: tuple[str, ...] = ("keep", "fused")
 OPTIMIZERS: dict[str, dict[str, Any]] = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
 #: The log key of the step's peak memory (GiB), as the `| mem X GiB |` of remat's own step line.
 MEMORY_LOG_KEY = "peak_mem_gib"
-#: Re-plans after out-of-memory errors in one Trainer run under ``auto`` (the recipe's ``max_replans`` default).
-MAX_REPLANS = 3
 
 
 def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: Any = None, loss: str = "keep",
@@ -81,7 +70,7 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     # Everything that can be refused is refused before the Trainer or its model is changed.
     planned: ActivationPlan | None = None
     adapter: PlanAdapter | None = None
-    with _leaving_no_trace(base):
+    with leaving_no_trace(base):
         if isinstance(policy, str) and policy.strip().lower() == "auto":
             planned, adapter = _plan_for(trainer, base, memory_budget=memory_budget, loss=loss,
                                          seq_length=seq_length, target=target)
@@ -103,7 +92,7 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     if log_memory:
         _log_with_memory(trainer, callback)
     if adapter is not None:
-        _replan_out_of_memory(trainer, model, adapter)
+        MicroBatchRetry(trainer, model, adapter).install()
     return plan
 
 
@@ -122,20 +111,6 @@ def _refuse_unpreparable(trainer: Any, loss: str) -> None:
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ConfigError("prepare_trainer: DeepSpeed is not supported yet (its ZeRO stages own the parameters remat "
                           "would plan for); allowed: no DeepSpeed, DDP, or FSDP through accelerate")
-
-
-@contextlib.contextmanager
-def _leaving_no_trace(model: nn.Module) -> Any:
-    """Planning and the head probe leave the run as they found it: every random generator (torch CPU and CUDA,
-    numpy, random) and the model's train/eval mode are put back, so a prepared run draws the same data order and
-    dropout masks as the same run given the final plan by hand."""
-    rng = capture_rng_state()
-    training = model.training
-    try:
-        yield
-    finally:
-        restore_rng_state(rng)
-        model.train(training)
 
 
 def _log_with_memory(trainer: Any, callback: RematCallback) -> None:
@@ -202,119 +177,6 @@ def use_fused_loss(model: nn.Module) -> None:
         return CausalLMOutputWithPast(loss=value, logits=None)
 
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
-
-
-# NOTE [ Which out-of-memory errors the Trainer retries ]
-# remat's own loop retries a whole step; inside the Trainer's loop only the micro-batch that failed can run
-# again, and only when nothing of it is left behind. Before the first micro-batch of a step the Trainer has
-# zeroed the gradients to None, so dropping the gradients a failed forward or backward left puts the model
-# exactly where it was; the generators are put back, so dropout draws the same masks. A later micro-batch of the
-# same step (gradient accumulation) has the earlier ones' gradients in ``.grad`` and a partial backward added to
-# some of them: it is not retried. Nor is an error on one of several processes, whose peers wait in the step's
-# collectives. Both say so in one line and raise the error as it is; the optimizer update never ran.
-
-def _replan_out_of_memory(trainer: Any, model: nn.Module, adapter: PlanAdapter) -> None:
-    """``trainer.training_step`` (one micro-batch's forward and backward) that, on an out-of-memory error in the
-    first micro-batch of a step, re-plans for the budget and retries it, at most `MAX_REPLANS` times in a run
-    (NOTE [ Which out-of-memory errors the Trainer retries ], above)."""
-    original = trainer.training_step
-    params = [p for p in model.parameters() if p.requires_grad]
-    replans = 0
-
-    def training_step(self: Any, model_: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        nonlocal replans
-        while True:
-            fresh = all(p.grad is None for p in params)
-            rng = capture_rng_state()
-            try:
-                return original(model_, inputs, num_items_in_batch)
-            except OUT_OF_MEMORY as err:
-                message = str(err).splitlines()[0] if str(err) else type(err).__name__
-                step = self.state.global_step + 1
-                why = ("a later micro-batch of the step (the earlier ones' gradients are accumulated)" if not fresh
-                       else f"one of {self.args.world_size} processes (its peers wait in the step's collectives)"
-                       if self.args.world_size > 1 else
-                       f"{MAX_REPLANS} re-plans were made already" if replans >= MAX_REPLANS else None)
-                if why is not None:
-                    logger.error("remat: out of memory in step %d under %s: not retried: %s; a smaller "
-                                 "memory_budget, per_device_train_batch_size or loss='fused' would help", step,
-                                 adapter.describe(), why)
-                    raise
-            # Outside the except block: the failed attempt's frames (and the tensors they hold) are released.
-            for p in params:
-                p.grad = None
-            _release_memory()
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps torch's
-            replan = adapter.replan(Overshoot(step=step, budget_bytes=adapter.budget_bytes, error=message,
-                                              first_update=not optimizer.state))
-            remove_activation_checkpointing(model)
-            with planned_policy():
-                apply_activation_checkpointing(model, replan.policy)
-            restore_rng_state(rng)
-            replans += 1
-            logger.warning("remat: out of memory in step %d (%s): re-planned %s -> %s; retrying the micro-batch "
-                           "(re-plan %d/%d)", step, message, replan.old, replan.new, replans, MAX_REPLANS)
-
-    trainer.training_step = types.MethodType(training_step, trainer)
-
-
-def _release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-#: How far the first step's measured peak may exceed the plan's prediction before `FirstStepCheck` re-plans.
-FIRST_STEP_TOLERANCE = 0.05
-
-
-class FirstStepCheck:
-    """The plan of ``auto`` held against the measured peak of the first step the prediction is of (`RematCallback`
-    runs it once).
-
-    # NOTE [ The plan is checked against the first step ]
-    # The planner predicts the step it can model; a trainer may run another (a loss path of its own, a collator's
-    # shapes, hooks that hold tensors), and on a GPU that is an out-of-memory error on a budget remat said fits.
-    # The first step whose optimizer already holds its state (step 2 under AdamW, whose state the first update
-    # creates after that step's peak; step 1 under a stateless optimizer) is the step the prediction is of: its
-    # measured peak (the CUDA allocator's, or the exact tracked peak on the CPU) is compared with the prediction.
-    # More than FIRST_STEP_TOLERANCE over it, or over the budget, re-plans before the next step, as the
-    # out-of-memory path does, with the measured excess taken off the planning budget (the
-    # memory the planner cannot see is taken to be there in every step); where no plan fits that, or several
-    # processes run (each would re-plan alone), one WARNING line says by how much and why, and the plan stays.
-    """
-
-    def __init__(self, model: nn.Module, adapter: PlanAdapter) -> None:
-        self.model = model
-        self.adapter = adapter
-        self.done = False
-
-    def __call__(self, step: int, measured: int, world_size: int) -> None:
-        self.done = True
-        estimate = self.adapter.planner.estimate(self.adapter.policy)
-        predicted, budget = estimate.peak_bytes, self.adapter.budget_bytes
-        excess = measured - predicted
-        if measured <= predicted * (1 + FIRST_STEP_TOLERANCE) and measured <= budget:
-            logger.info("remat: step %d peaked at %s, predicted %s (budget %s)", step, size(measured),
-                        size(predicted), size(budget))
-            return
-        said = (f"remat: step {step} peaked at {size(measured)}, {size(excess)} ({excess / predicted:+.0%}) over the "
-                f"predicted {size(predicted)} under {self.adapter.policy.describe()} (budget {size(budget)}): the "
-                "trainer's step holds memory the planner does not model")
-        if world_size > 1:
-            logger.warning("%s; not re-planned: one of %d processes would change its plan alone", said, world_size)
-            return
-        overshoot = Overshoot(step=step, budget_bytes=budget, peak_bytes=forward_backward_peak(estimate) + excess)
-        try:
-            with _leaving_no_trace(self.model):
-                replan = self.adapter.replan(overshoot)
-        except ConfigError as err:
-            logger.warning("%s; not re-planned: %s", said, str(err).splitlines()[0])
-            return
-        remove_activation_checkpointing(self.model)
-        with planned_policy():
-            apply_activation_checkpointing(self.model, replan.policy)
-        logger.warning("%s; re-planned %s -> %s before step %d", said, replan.old, replan.new, step + 1)
 
 
 class RematCallback(TrainerCallback):
@@ -399,7 +261,7 @@ def _hf_checkpointing_off(trainer: Any, model: nn.Module) -> None:
 def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, seq_length: int | None,
               target: str | None) -> tuple[ActivationPlan, PlanAdapter]:
     """The plan for the step the Trainer runs, its arguments read from ``trainer.args``, and the adapter that plans
-    again with the same planner after an out-of-memory error (`_replan_out_of_memory`)."""
+    again with the same planner after an out-of-memory error (`remat.adaptation.trainer.MicroBatchRetry`)."""
     _check_plannable_step(trainer)
     args = trainer.args
     optim = str(getattr(args.optim, "value", args.optim))

@@ -213,7 +213,7 @@ class AutoCheckpointing(StrictModel):
     """``activation_checkpointing: auto`` (or ``{mode: auto, memory_budget: 40GiB, ...}``): the planner
     (`remat.planner`, above the recipe) chooses the per-layer policy with the least recompute whose predicted peak
     fits ``memory_budget`` per rank, and the run re-plans and relaxes it from what its steps measure
-    (`remat.planner.adapt`).
+    (`remat.adaptation`).
 
     ``plan`` is the policy the planner chose for this run: `remat finetune` and `remat plan` fill it in before
     anything is built (a recipe file leaves it out), and a run's saved config keeps it, so "this policy came from
@@ -224,11 +224,11 @@ class AutoCheckpointing(StrictModel):
     memory_budget: TypedBudget = Field(default_factory=MemoryBudget)
     max_replans: NonNegativeInt = 3
     """How many times a run may re-plan when a step's peak exceeds ``memory_budget`` or raises an out-of-memory
-    error (the step is retried each time; `remat.recipes.adaptation.retry`); 0 turns re-planning off."""
+    error (the step is retried each time; `remat.adaptation.retry`); 0 turns re-planning off."""
     relax_after_steps: PositiveInt | None = 100
     """With ``max_replans`` >= 1: after this many steps in a row well under ``memory_budget``, plan again for the
     room measured and swap in a plan with less recompute when one is predicted faster and to fit
-    (`remat.recipes.adaptation.relax_watch`); null: never relax."""
+    (`remat.adaptation.relax_watch`); null: never relax."""
     calibration: str | None = None
     """A JSON file of `remat profile --write-calibration`: the measured throughput the planner prices recompute at."""
     loss: Literal["keep", "choose"] = "keep"

@@ -20,11 +20,11 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -39,7 +39,7 @@ from remat.errors import ConfigError, RematError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
-from remat.recipes.config import AutoCheckpointing, RecipeConfig
+from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
 from remat.recipes.model_loss import count_label_tokens
 from remat.recipes.run_safety.numerics import NonFiniteGuard, refuse_to_resume, refuse_to_save, unusual_settings
@@ -49,12 +49,10 @@ from remat.recipes.run_safety.resume_changes import early_refusal, plan_resume
 from remat.recipes.run_safety.run_lock import RunLocks, acquire_on_rank0, on_rank0, run_directories
 from remat.recipes.reports.run_report import write_run_report
 from remat.recipes.reports.reporting import RunReporter, StepRecord
-from remat.recipes.adaptation.retry import Replanner, StepRetry
 from remat.recipes.step import StepOutcome, autocast, step_label_tokens, train_step
 from remat.training_state.stores import state_store, store_for_saved
 from remat.training_state.history import check_saved_step, keep_newer_checkpoints
 from remat.training_state.layout import remove_stale_work_dirs, step_directories
-from remat.training_state.oom_notes import clear_notes, pending_note
 from remat.training_state.verify import load_newest_verified, load_verified, supersede_checkpoints
 
 StepCallback = Callable[["FinetuneRecipe", StepRecord], None]
@@ -89,13 +87,50 @@ class RunResult:
 logger = logging.getLogger(__name__)
 
 
+_T = TypeVar("_T")
+
+
+class StepGuard(Protocol):
+    """The run-time watch of ``activation_checkpointing: auto`` as the loop sees it (`remat.adaptation`, above the
+    recipe, makes one: `remat.adaptation.retry.StepRetry`)."""
+
+    log: Callable[[str], None]
+    """Where its one line per re-plan or relax goes (the run's reporter)."""
+
+    def mark(self, label: str) -> None:
+        """`train_step`'s phase marks (before the update it holds the step to the budget)."""
+
+    def attempt(self, step: int, run_step: Callable[[], _T]) -> _T:
+        """``run_step()``, re-planned and retried while it goes over the budget or out of memory."""
+
+    def before_first_step(self, step: int) -> None:
+        """After a restart: re-plan from a pending out-of-memory note, before the first step."""
+
+    def finished(self) -> None:
+        """The run reached its last step."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it (JSON types)."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> str | None:
+        """Resume it; a line for the log when the checkpoint's run had re-planned."""
+
+
+class Adaptation(Protocol):
+    """What makes the watch of a run (`remat.adaptation.adapter.PlanAdapter`)."""
+
+    def guard(self, recipe: FinetuneRecipe) -> StepGuard:
+        """The watch of ``recipe``'s steps (called once ``recipe`` is built)."""
+
+
 class FinetuneRecipe:
     """A fine-tuning run built from a validated ``RecipeConfig``."""
 
     def __init__(self, cfg: RecipeConfig, *, callbacks: list[StepCallback] | None = None,
-                 replanner: Replanner | None = None, source: str | Path | None = None) -> None:
-        """``replanner`` (given by `remat finetune` for ``activation_checkpointing: auto``) turns on the run-time
-        watch: a step over ``activation_checkpointing.memory_budget`` is re-planned and retried (`remat.recipes.adaptation.retry`)."""
+                 replanner: Adaptation | None = None, source: str | Path | None = None) -> None:
+        """``replanner`` (given by `remat finetune` for ``activation_checkpointing: auto``: a
+        `remat.adaptation.adapter.PlanAdapter`) turns on the run-time watch: a step over
+        ``activation_checkpointing.memory_budget`` is re-planned and retried (`remat.adaptation`)."""
         self.cfg = cfg
         self.source = source
         """The recipe file the run was read from (said at start), when it came from one."""
@@ -153,11 +188,7 @@ class FinetuneRecipe:
         )
         self.memory_meter = StepMemoryMeter(_memory_source(cfg, self.dist.device), model=self.model,
                                             optimizer=self.optimizer)
-        auto = cfg.distributed.auto or AutoCheckpointing()  # a replanner given in Python to a pinned recipe
-        self.retry = (StepRetry(self.replanner, max_replans=auto.max_replans, setup=self.dist, model=self.model,
-                                meter=self.memory_meter, optimizer=self.optimizer,
-                                relax_after_steps=auto.relax_after_steps, notes_dir=self.checkpoint_dir)
-                      if self.replanner is not None else None)
+        self.retry: StepGuard | None = self.replanner.guard(self) if self.replanner is not None else None
         self.step = 0
         self.data_fingerprint = dataset_fingerprint(self.train_data)
         self.resume_notes: list[str] = []
@@ -242,7 +273,7 @@ class FinetuneRecipe:
             self._report_setup(reporter)
             if self.retry is not None:
                 self.retry.log = reporter.info
-                self._replan_after_restart()
+                self.retry.before_first_step(self.step)
             if self.step >= max_steps:
                 reporter.info(f"nothing to do: {self.resumed_from} is already at step {self.step} >= max_steps "
                               f"{max_steps}; raise step_scheduler.max_steps or use a new output_dir to train more")
@@ -265,8 +296,8 @@ class FinetuneRecipe:
                 if sched.ckpt_every_steps and self.step % sched.ckpt_every_steps == 0 and self.step < max_steps:
                     result.last_checkpoint = self._save(reporter)
             result.final_step = self.step
-            if self.retry is not None and self.step >= max_steps and self.dist.is_main_process:
-                clear_notes(self.checkpoint_dir)  # finished: nothing is left to re-plan
+            if self.retry is not None and self.step >= max_steps:
+                self.retry.finished()  # nothing is left to re-plan
             result.stopped_early = self._stop_reason is not None and self.step < max_steps
             result.stop_signal = self._stop_signal
             if result.stopped_early:
@@ -309,14 +340,6 @@ class FinetuneRecipe:
         """Let go of this run's directory locks (``run`` does it when it ends)."""
         if self.run_locks is not None:
             self.run_locks.release()
-
-    def _replan_after_restart(self) -> None:
-        """An ``auto`` run restarted after one of several ranks ran out of memory re-plans, before its first step,
-        from the newest pending out-of-memory note (`remat.training_state.oom_notes`; read by rank 0)."""
-        assert self.retry is not None
-        note = on_rank0(lambda: pending_note(self.checkpoint_dir, self.step), rank=self.dist.rank,
-                        distributed=self.dist.is_distributed)
-        self.retry.replan_after_restart(note, self.step)
 
     def _keep_newer_checkpoints(self, resumed: Path) -> None:
         """Never train over checkpoints newer than ``resumed`` silently: ``checkpoint.on_newer_checkpoints``."""

@@ -41,7 +41,7 @@ from remat.training_state.layout import (
     step_directories,
 )
 from remat.training_state.data_only import DCP_DIR, metadata_problem
-from remat.training_state.oom_notes import NOTE_PREFIX
+from remat.training_state.names import NOTE_PREFIX
 
 logger = logging.getLogger(__name__)
 

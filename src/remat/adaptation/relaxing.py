@@ -1,10 +1,10 @@
-"""The planner's half of relaxing a plan at run time (`remat.recipes.adaptation.relax_watch` decides when to ask): from what a stable
+"""The planner's half of relaxing a plan at run time (`remat.adaptation.relax_watch` decides when to ask): from what a stable
 stretch measured, a plan with less predicted recompute time that, corrected by that measurement, fits with a margin.
 
 The plan in force predicted a forward+backward peak ``predicted``; the stretch measured ``measured`` (its highest
 step, max over ranks): ``error = measured - predicted`` (negative when the plan kept less than predicted). The new
 plan is chosen for ``min(target - error, target x predicted / measured)`` where ``target`` is the budget less the
-margin (the same two corrections as a re-plan, `remat.planner.adapt`, whichever asks for less), and never for as
+margin (the same two corrections as a re-plan, `remat.adaptation`, whichever asks for less), and never for as
 much as the predicted peak of a plan that went over the budget in this run. It is taken only when its predicted
 recompute (and host copies) take less time than the plan in force's, and its forward+backward prediction, corrected
 both ways, stays within ``target``.
@@ -21,8 +21,8 @@ from remat.estimate.api import MemoryEstimate
 from remat.planner.measure import BlockMeasurements
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
-from remat.recipes.adaptation.relax_watch import Stretch
-from remat.recipes.adaptation.retry import size
+from remat.adaptation.relax_watch import Stretch
+from remat.adaptation.retry import size
 from remat.recipes.step import UPDATE_PHASE
 
 

@@ -5,7 +5,7 @@ the step's collectives, which it can no longer match. That rank therefore writes
 directory (the step, the error, and the re-planning state in force: the plan, the re-plans so far) and fails.
 torchrun (``--max-restarts``; ``remat finetune`` sets it under ``auto``) then restarts every worker, the run
 resumes from its newest checkpoint, and before its first step it re-plans from the newest pending note exactly as a
-single process would have (`remat.recipes.adaptation.retry.StepRetry.replan_after_restart`). Running the same command again
+single process would have (`remat.adaptation.retry.StepRetry.replan_after_restart`). Running the same command again
 by hand does the same.
 
 A note is *pending* while no checkpoint newer than its step exists: a checkpoint saved after the re-plan carries
@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from remat.training_state.layout import atomic_write_text
+from remat.training_state.names import NOTE_PREFIX
 
 logger = logging.getLogger(__name__)
 
-NOTE_PREFIX: Final[str] = "oom-replan-rank"
-"""File names of the notes: ``oom-replan-rank<R>.json``, one per rank that ran out of memory."""
 RESTART_COUNT_ENV: Final[str] = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS_ENV: Final[str] = "TORCHELASTIC_MAX_RESTARTS"
 
@@ -41,7 +40,7 @@ class OutOfMemoryNote:
     ``step``: the step that failed (1 = the first); ``rank``; ``error``: the error's first line; ``first_update``:
     the optimizer had no state yet; ``replans``: the run's re-plans before this one; ``budget_bytes``: the budget
     the run was held to; ``planner`` and ``relax``: the replanner's and the relax watch's state when it failed
-    (`remat.recipes.adaptation.retry.StepRetry.state_dict`); ``generation``: torchrun's restart count of the failed worker.
+    (`remat.adaptation.retry.StepRetry.state_dict`); ``generation``: torchrun's restart count of the failed worker.
     """
 
     step: int

@@ -1,7 +1,7 @@
 """Run-time adaptation of ``activation_checkpointing: auto``: watch each step against the memory budget, and when a
 step goes over it (or raises an out-of-memory error) re-plan, swap the checkpointing in place and retry that step.
 
-The recipe sits below the planner, so the planning itself comes in as a `Replanner` (`remat.planner.adapt` makes
+The recipe sits below the planner, so the planning itself comes in as a `Replanner` (`remat.adaptation` makes
 one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
 
 - **Watched**: the peak of the step's forward and backward passes (every micro-batch), read from the step's memory
@@ -15,12 +15,12 @@ one; `remat finetune` passes it to `FinetuneRecipe`). What happens here:
   position were never advanced by the failed attempt. One log line says the old and new plans and why.
 - **Bounded**: at most ``activation_checkpointing.max_replans`` re-plans in a run, then `MemoryBudgetError` saying what the last
   plan needed and what would help.
-- **Relaxed** (`remat.recipes.adaptation.relax_watch`): after ``activation_checkpointing.relax_after_steps`` steps well under the budget, a plan
+- **Relaxed** (`remat.adaptation.relax_watch`): after ``activation_checkpointing.relax_after_steps`` steps well under the budget, a plan
   with less recompute may be swapped in after a step; if it then goes over, the step is retried as above and
   relaxing stops.
 
 - **Out of memory on one of several ranks**: its peers already wait in the step's collectives, so the step cannot
-  be retried in place. The rank writes an out-of-memory note (`remat.training_state.oom_notes`) and fails;
+  be retried in place. The rank writes an out-of-memory note (`remat.adaptation.oom_notes`) and fails;
   torchrun restarts the workers (``--max-restarts``), the run resumes from its newest checkpoint and re-plans from
   the note before its first step (`StepRetry.replan_after_restart`), counted like any re-plan.
 
@@ -34,20 +34,28 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from remat.checkpointing import CheckpointPolicy
+from remat.checkpointing import CheckpointPolicy, apply_activation_checkpointing, remove_activation_checkpointing
+from remat.checkpointing.plan import planned_policy
 from remat.distributed import DistributedSetup
 from remat.errors import MemoryBudgetError, RematError
 from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
-from remat.recipes.adaptation.relax_watch import RelaxWatch, Stretch
+from remat.adaptation.oom_notes import (OutOfMemoryNote, clear_notes, pending_note, restart_generation,
+                                        restarts_left, write_note)
+from remat.adaptation.relax_watch import RelaxWatch, Stretch
+from remat.recipes.config import AutoCheckpointing
+from remat.recipes.run_safety.run_lock import on_rank0
 from remat.recipes.step import UPDATE_PHASE
 from remat.training_state.layout import capture_rng_state, restore_rng_state
-from remat.training_state.oom_notes import OutOfMemoryNote, restart_generation, restarts_left, write_note
+
+if TYPE_CHECKING:
+    from remat.adaptation.adapter import PlanAdapter
+    from remat.recipes.finetune import FinetuneRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -105,35 +113,19 @@ class Replan:
     new: str
 
 
-class Replanner(Protocol):
-    """Plans again from what a step measured (`remat.planner.adapt.PlanAdapter`)."""
+def release_memory() -> None:
+    """After a failed attempt whose gradients were dropped: collect what is unreachable and empty CUDA's cache."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
-    @property
-    def budget_bytes(self) -> int:
-        """The budget a step's peak must stay within, in bytes (per rank)."""
-        ...
 
-    def describe(self) -> str:
-        """The plan in force, in words (its policy and predicted peak)."""
-        ...
-
-    def replan(self, overshoot: Overshoot) -> Replan:
-        """A plan predicted to fit after correcting the prediction by ``overshoot``; raises `RematError` when
-        nothing can."""
-        ...
-
-    def relax(self, stretch: Stretch) -> Replan | str:
-        """A plan predicted faster than the one in force and, corrected by what ``stretch`` measured, to fit its
-        target; or, when there is none, why the plan in force stays (one phrase)."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint must keep to resume with the re-planned policy (JSON types)."""
-        ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> CheckpointPolicy | None:
-        """Take the saved state back; returns the policy to apply when it differs from the one planned at start."""
-        ...
+def swap_checkpointing(model: nn.Module, policy: CheckpointPolicy) -> None:
+    """Replace ``model``'s checkpointing with ``policy`` (a plan: its notes were said when it was planned), where no
+    `DistributedSetup` holds it (a Trainer's model; the recipe's loop uses `DistributedSetup.replace_checkpointing`)."""
+    remove_activation_checkpointing(model)
+    with planned_policy():
+        apply_activation_checkpointing(model, policy)
 
 
 def _first_line(err: BaseException) -> str | None:
@@ -145,11 +137,11 @@ class StepRetry:
 
     ``log`` receives the one line per re-plan or relax (`FinetuneRecipe` points it at its reporter); ``replans``
     counts the re-plans of this run (kept across resumes through `state_dict`). ``relax_after_steps``: the stable
-    stretch after which a plan may be relaxed (`remat.recipes.adaptation.relax_watch`; None: never). ``notes_dir``: where a rank of
+    stretch after which a plan may be relaxed (`remat.adaptation.relax_watch`; None: never). ``notes_dir``: where a rank of
     several that runs out of memory leaves its note for the restarted run (the checkpoint directory; None: none).
     """
 
-    def __init__(self, replanner: Replanner, *, max_replans: int, setup: DistributedSetup, model: nn.Module,
+    def __init__(self, replanner: PlanAdapter, *, max_replans: int, setup: DistributedSetup, model: nn.Module,
                  meter: StepMemoryMeter, optimizer: torch.optim.Optimizer,
                  relax_after_steps: int | None = None, notes_dir: Path | None = None) -> None:
         self.replanner = replanner
@@ -164,6 +156,15 @@ class StepRetry:
         self.notes_dir = notes_dir
         self._phase: str | None = None
         self._peak: int | None = None
+
+    @classmethod
+    def for_recipe(cls, replanner: PlanAdapter, recipe: FinetuneRecipe) -> StepRetry:
+        """The watch of ``recipe``'s run (built, not yet trained): its budget and bounds from its ``auto`` section
+        (the defaults for a pinned recipe given a replanner in Python), its notes in its checkpoint directory."""
+        auto = recipe.cfg.distributed.auto or AutoCheckpointing()
+        return cls(replanner, max_replans=auto.max_replans, setup=recipe.dist, model=recipe.model,
+                   meter=recipe.memory_meter, optimizer=recipe.optimizer, relax_after_steps=auto.relax_after_steps,
+                   notes_dir=recipe.checkpoint_dir)
 
     @property
     def budget_bytes(self) -> int:
@@ -231,6 +232,22 @@ class StepRetry:
         logger.error(message)
         err.add_note(f"remat: {message}")
 
+    def before_first_step(self, resumed_step: int) -> None:
+        """An ``auto`` run restarted after one of several ranks ran out of memory re-plans, before its first step,
+        from the newest pending out-of-memory note (`remat.adaptation.oom_notes`; read by rank 0, the same on every
+        rank)."""
+        if self.notes_dir is None:
+            return
+        directory = self.notes_dir
+        note = on_rank0(lambda: pending_note(directory, resumed_step), rank=self.setup.rank,
+                        distributed=self.setup.is_distributed)
+        self.replan_after_restart(note, resumed_step)
+
+    def finished(self) -> None:
+        """The run reached ``max_steps``: nothing is left to re-plan, its notes are removed (by rank 0)."""
+        if self.notes_dir is not None and self.setup.is_main_process:
+            clear_notes(self.notes_dir)
+
     def replan_after_restart(self, note: OutOfMemoryNote | None, resumed_step: int) -> None:
         """Before the first step of a restarted run (every rank, with the same ``note``: the newest pending one, read
         by rank 0): take the re-planning state the failed run had and re-plan from its out-of-memory error, as a
@@ -256,9 +273,7 @@ class StepRetry:
     def _free(self) -> None:
         """Drop what the failed attempt left: gradients, unreachable activations, CUDA's cached blocks."""
         self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        release_memory()
 
     def _replan(self, overshoot: Overshoot, *, then: str | None = None) -> None:
         if self.replans >= self.max_replans:
@@ -335,7 +350,7 @@ class StepRetry:
 
     def state_dict(self) -> dict[str, Any]:
         """For ``train_state.json``: the replans done, the replanner's state (the policy in force) and the relax
-        watch's (`remat.recipes.adaptation.relax_watch`)."""
+        watch's (`remat.adaptation.relax_watch`)."""
         return {"replans": self.replans, "planner": self.replanner.state_dict(), "relax": self.relax.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> str | None:

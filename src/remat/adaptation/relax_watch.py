@@ -2,7 +2,7 @@
 stay well under the memory budget, ask the replanner for a plan with less recompute, and swap it in when one is
 predicted faster and, corrected by what the stretch measured, to fit with a margin.
 
-The counterpart of `remat.recipes.adaptation.retry` (which tightens a plan when a step goes over); `StepRetry` runs both.
+The counterpart of `remat.adaptation.retry` (which tightens a plan when a step goes over); `StepRetry` runs both.
 
 - **The stretch**: ``activation_checkpointing.relax_after_steps`` consecutive steps under the plan in force whose agreed
   forward+backward peak (the over-budget watch's reading, the maximum over the ranks) stays at or below

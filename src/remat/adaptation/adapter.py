@@ -1,4 +1,4 @@
-"""`PlanAdapter`: plans ``auto`` again during a run, from what a step measured (the `remat.recipes.adaptation.retry.Replanner`
+"""`PlanAdapter`: plans ``auto`` again during a run, from what a step measured (the `remat.adaptation.retry.Replanner`
 that `remat finetune` hands the recipe).
 
 The plan's prediction was off by what the step measured: ``error = measured - predicted``, both the peak of
@@ -9,7 +9,7 @@ off by a constant and the one that assumes it is off by a factor, whichever asks
 the optimizer state exists, the prediction is taken without that state). After an out-of-memory
 error nothing was measured: the planning budget becomes `OOM_SHRINK` less than the failed plan's prediction.
 Either way the planning budget is below the failed plan's predicted peak, so the new plan keeps less. The lowest
-predicted peak of a plan that went over is remembered: a later relax (`relax`, `remat.planner.adapt.relaxing`) never goes
+predicted peak of a plan that went over is remembered: a later relax (`relax`, `remat.adaptation.relaxing`) never goes
 back to a plan predicted to keep as much.
 
 The `Planner` (block measurements on fake tensors, a few seconds) is built on the first re-plan only: a run that
@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from remat._child import call_in_child, child_call, needs_fresh_process
 from remat.checkpointing import CheckpointPolicy, parse_policy
 from remat.errors import ConfigError
 from remat.planner.api import default_target, planner_for_recipe, recipe_budget
 from remat.planner.planner import Planner
-from remat.planner.adapt.relaxing import forward_backward_peak, relaxed_plan
+from remat.adaptation.relaxing import forward_backward_peak, relaxed_plan
 from remat.recipes.config import RecipeConfig
-from remat.recipes.adaptation.relax_watch import Stretch
-from remat.recipes.adaptation.retry import Overshoot, Replan, size
+from remat.adaptation.relax_watch import Stretch
+from remat.adaptation.retry import Overshoot, Replan, StepRetry, size
+
+if TYPE_CHECKING:
+    from remat.recipes.finetune import FinetuneRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +112,7 @@ class PlanAdapter:
         return Replan(policy=plan.policy, old=old, new=f"{self.describe()} planned for {size(planning)}")
 
     def relax(self, stretch: Stretch) -> Replan | str:
-        """A plan with less predicted recompute that fits what ``stretch`` measured (`remat.planner.adapt.relaxing`), or why
+        """A plan with less predicted recompute that fits what ``stretch`` measured (`remat.adaptation.relaxing`), or why
         the plan in force stays."""
         if not self.policy.enabled:  # nothing recomputed: no planner built, no child started
             return "it checkpoints nothing, so there is nothing to relax"
@@ -129,6 +132,10 @@ class PlanAdapter:
         answer, state = call_in_child(replan_in_child, *self._child, self.state_dict(), request)
         self.load_state_dict(state)
         return answer  # type: ignore[no-any-return]
+
+    def guard(self, recipe: FinetuneRecipe) -> StepRetry:
+        """The run-time watch of ``recipe``'s steps under this adapter (what `FinetuneRecipe` asks for)."""
+        return StepRetry.for_recipe(self, recipe)
 
     def state_dict(self) -> dict[str, Any]:
         """The policy in force, its predicted peak, the planning budget it was chosen for and the lowest predicted
