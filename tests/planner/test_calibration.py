@@ -71,7 +71,7 @@ def test_a_calibration_round_trips_through_its_file(tmp_path: Path) -> None:
     ('{"device": "x"}', r"lacks target, torch_version, flops_per_second, date, method"),
     ("BAD_FPS", r"flops_per_second is -1; allowed: a finite number > 0"),
     ("BAD_TARGET", r"target is 'tpu'; allowed: cuda, cpu"),
-    ("BAD_METHOD", r"method is 'guess'; allowed: recompute-fit, whole-step"),
+    ("BAD_METHOD", r"method is 'guess'; allowed: recompute-fit-by-class, recompute-fit, whole-step"),
 ])
 def test_a_malformed_calibration_is_one_error_naming_the_key(tmp_path: Path, content: str | None,
                                                              message: str) -> None:
@@ -161,3 +161,28 @@ def test_a_calibration_for_the_other_target_or_a_broken_one_is_refused(tmp_path:
     assert main(["plan", str(_recipe(tmp_path)), "--budget", "1GiB", "--calibration", str(gpu),
                  "--flops-per-second", "1e9"]) == 2
     assert "give it or --flops-per-second, not both" in capsys.readouterr().err
+
+
+def test_a_calibration_by_op_class_reaches_the_planner_from_the_recipe_and_the_command_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`remat profile --write-calibration` fits a memory-bound rate when the steps' bytes tell it apart
+    (tests/planner/test_timing.py); the recipe's calibration and ``remat plan --calibration`` price with it."""
+    from remat.cli import main
+    from remat.planner.api import planner_for_recipe
+    from remat.recipes.loader import load_recipe
+
+    calibration = Calibration(device="test", target="cpu", torch_version="2.13.0", flops_per_second=1e10,
+                              date="2026-11-28", method="recompute-fit-by-class", memory_bytes_per_second=2e9)
+    cal = write_calibration(calibration, tmp_path / "cal.json")
+    planner = planner_for_recipe(load_recipe(_recipe(tmp_path, planner_calibration=str(cal))))
+    assert (planner.rates.flops_per_second, planner.rates.memory_bytes_per_second) == (1e10, 2e9)
+    budget = planner.uniform_candidates(GIB)[0].peak_bytes * 9 // 10
+    plan = planner.plan(budget)
+    assert plan.rates is not None and plan.recompute_cost > plan.recompute_flops  # memory-bound work priced too
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(_recipe(tmp_path)), "--budget", str(budget), "--calibration", str(cal), "--json",
+                 str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["rates_per_second"]["memory_bytes_per_second"] == 2e9
+    assert report["budgets"][0]["recompute_cost"] == pytest.approx(plan.recompute_cost, rel=1e-4)
+    assert "recompute s" in capsys.readouterr().out

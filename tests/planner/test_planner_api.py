@@ -77,14 +77,14 @@ def test_the_frontier_gives_the_cheapest_assignment_for_every_need() -> None:
     for needed in range(0, 481, 7):
         brute = min((flops for saved, flops in every if saved >= needed), default=None)
         choice = cheapest_saving(options, needed)
-        assert (choice.recompute_flops if choice else None) == brute, needed
+        assert (choice.cost if choice else None) == brute, needed
     assert cheapest_saving(options, 481) is None  # more than keeping nothing saves
 
 
 def test_modes_that_keep_least_go_to_the_earliest_blocks_of_a_kind() -> None:
     m = _measurements()
     # kind A: one block each of mlp, selective and full; kind B: one none, one attention
-    modes = assign(Assignment(((0, 1, 1, 1), (1, 1, 0)), saved_bytes=0, recompute_flops=0), m)
+    modes = assign(Assignment(((0, 1, 1, 1), (1, 1, 0)), saved_bytes=0, cost=0), m)
     assert modes == ("full", "attention", "selective", "none", "mlp")
 
 

@@ -1,5 +1,6 @@
 """The planner's answers are the same as before the planner core was rebuilt (#21): a small recipe planned at four
-budgets, every field of every plan (block modes, predicted peaks, FLOPs, candidates) but the seconds, equal to the
+budgets, every field of every plan (block modes, predicted peaks, FLOPs, candidates) but the seconds and the
+recompute costs (FLOP-equivalents, added later: without calibrated per-class rates they equal the FLOPs), equal to the
 plans main gave at 55e1df3 (``data/plans_before_21.json``, written by this module's `plans` run in that tree).
 Candidates are now priced as copies of one validated recipe; a change in what they cost shows up here."""
 
@@ -29,7 +30,9 @@ def plans() -> list[Any]:
 
 def _without_seconds(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _without_seconds(v) for k, v in value.items() if "second" not in k}
+        if "recompute_cost" in value:  # without per-class rates the cost is the FLOPs (the plans below have none)
+            assert value["recompute_cost"] == value["recompute_flops"], value
+        return {k: _without_seconds(v) for k, v in value.items() if "second" not in k and k != "recompute_cost"}
     if isinstance(value, list):
         return [_without_seconds(v) for v in value]
     return value

@@ -134,8 +134,14 @@ def test_remat_profile_on_the_cpu_gives_table_json_png_and_calibration(
 
     calibration = read_calibration(cal)
     assert calibration.target == "cpu" and calibration.torch_version == torch.__version__
-    assert calibration.method in ("recompute-fit", "whole-step") and calibration.flops_per_second > 0
+    assert calibration.method in ("recompute-fit-by-class", "recompute-fit", "whole-step")
+    assert calibration.flops_per_second > 0
     assert calibration.details["baseline_step_flops"] == n["step_flops"]
+    assert n["step_memory_bytes"] > 0  # the first step counted by op class (memory-bound bytes written)
+    if calibration.method == "recompute-fit-by-class":  # CPU timings decide which fit holds: both rates positive
+        assert calibration.memory_bytes_per_second is not None and calibration.memory_bytes_per_second > 0
+    else:
+        assert calibration.memory_bytes_per_second is None
 
 
 def test_write_calibration_without_none_is_refused_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -126,7 +126,7 @@ def _recipe_planner(args: argparse.Namespace, overrides: list[str]) -> tuple[Any
     target = args.target or default_target(cfg.distributed.device)  # one rule with remat finetune and Python
     budgets = [recipe_budget(cfg, budget, target, key="--budget") for budget in (args.budget or [None])]
     options: dict[str, Any] = {"world_size": args.world_size} if args.world_size else {}
-    options["flops_per_second"] = _flops_per_second(args, target)
+    options.update(_pricing(args, target))
     own_choice = cfg.distributed.auto.loss if cfg.distributed.auto is not None else "keep"
     if (args.loss_choice or own_choice) == "choose":
         chooser = loss_chooser_for_recipe(cfg, target=target, **options)
@@ -156,24 +156,26 @@ def _model_planner(args: argparse.Namespace, source: str, step_flags: dict[str, 
     settings.validate()
     budgets = [parse_budget(budget, device_bytes=device_bytes(target), key="--budget")
                for budget in (args.budget or [None])]
-    flops = _flops_per_second(args, target)
+    pricing = _pricing(args, target)
     if args.loss_choice == "choose":
         run = settings.run()
         chooser = LossChooser(dataclasses.replace(settings, policy="none").to_recipe(model),
-                              lambda recipe: Planner(recipe, run, flops))
+                              lambda recipe: Planner(recipe, run, **pricing))
         return chooser, chooser.planner(chooser.own_loss), budgets
-    planner = Planner.from_settings(model, settings, flops)
+    planner = Planner.from_settings(model, settings, **pricing)
     return planner, planner, budgets
 
 
-def _flops_per_second(args: argparse.Namespace, target: str) -> float | None:
-    """``--flops-per-second``, or the throughput in ``--calibration``; None leaves it to the recipe / default."""
+def _pricing(args: argparse.Namespace, target: str) -> dict[str, float | None]:
+    """``--flops-per-second``, or the rates in ``--calibration`` (`remat.planner.timing`); None leaves them to the
+    recipe / default."""
     from remat.errors import ConfigError
-    from remat.planner.calibration import calibrated_flops_per_second
+    from remat.planner.calibration import calibrated_rates
 
     if args.calibration is None:
-        return args.flops_per_second
+        return {"flops_per_second": args.flops_per_second}
     if args.flops_per_second is not None:
         raise ConfigError("--calibration: give it or --flops-per-second, not both (each sets the throughput "
                           "recompute is priced at)")
-    return calibrated_flops_per_second(args.calibration, target, key="--calibration")
+    flops, memory = calibrated_rates(args.calibration, target, key="--calibration")
+    return {"flops_per_second": flops, "memory_bytes_per_second": memory}

@@ -19,7 +19,7 @@ from remat.estimate.run import SimulatedRun
 from remat.estimate.settings import StepSettings
 from remat.models import ModelConfig
 from remat.checkpointing.budget import BudgetLike, MemoryBudget, parse_budget
-from remat.planner.calibration import calibrated_flops_per_second
+from remat.planner.calibration import calibrated_rates
 from remat.planner.loss_choice import LossChooser, check_choosable, check_loss_choice, recipe_loss_fn
 from remat.planner.planner import Planner
 from remat.planner.result import ActivationPlan
@@ -159,31 +159,34 @@ def plan_recipe(cfg: RecipeConfig, *, budget: BudgetLike = None, target: str | N
 def loss_chooser_for_recipe(cfg: RecipeConfig, **options: Any) -> LossChooser:
     """A `LossChooser` for the step ``cfg`` trains, with the plain and with the fused loss (``options`` as for
     `planner_for_recipe`), the recipe's loss arguments carried over."""
-    recipe, run, flops_per_second = _recipe_planning(cfg, **options)
-    return LossChooser(recipe, lambda step_recipe: Planner(step_recipe, run, flops_per_second))
+    recipe, run, pricing = _recipe_planning(cfg, **options)
+    return LossChooser(recipe, lambda step_recipe: Planner(step_recipe, run, **pricing))
 
 
 def planner_for_recipe(cfg: RecipeConfig, **options: Any) -> Planner:
     """A `Planner` for the step ``cfg`` trains on ``target`` (default: the device the recipe would train on).
-    Recompute is priced at ``flops_per_second``, else at the throughput in the recipe's
-    ``activation_checkpointing.calibration`` (`remat.planner.calibration`), else at the target's default. Other
-    ``options``: ``world_size`` and `remat.estimate.StepSettings` fields overriding the recipe's
-    (`remat.estimate.api.recipe_step`)."""
-    recipe, run, flops_per_second = _recipe_planning(cfg, **options)
-    return Planner(recipe, run, flops_per_second)
+    Recompute is priced at ``flops_per_second`` (and ``memory_bytes_per_second``: `remat.planner.timing`), else at
+    the rates in the recipe's ``activation_checkpointing.calibration`` (`remat.planner.calibration`), else at the
+    target's default throughput. Other ``options``: ``world_size`` and `remat.estimate.StepSettings` fields
+    overriding the recipe's (`remat.estimate.api.recipe_step`)."""
+    recipe, run, pricing = _recipe_planning(cfg, **options)
+    return Planner(recipe, run, **pricing)
 
 
 def _recipe_planning(cfg: RecipeConfig, *, target: str | None = None, flops_per_second: float | None = None,
-                     **options: Any) -> tuple[RecipeConfig, SimulatedRun, float | None]:
-    """The step ``cfg`` trains (`remat.estimate.api.recipe_step`) and the throughput its recompute is priced at."""
+                     memory_bytes_per_second: float | None = None,
+                     **options: Any) -> tuple[RecipeConfig, SimulatedRun, dict[str, float | None]]:
+    """The step ``cfg`` trains (`remat.estimate.api.recipe_step`) and the rates its recompute is priced at."""
     target = target or default_target(cfg.distributed.device)
     calibration = cfg.distributed.auto.calibration if cfg.distributed.auto is not None else None
     if flops_per_second is None and calibration is not None:
-        flops_per_second = calibrated_flops_per_second(calibration, target,
-                                                       key="distributed.activation_checkpointing.calibration")
-        logger.info("planner: recompute priced at %.3g FLOP/s from %s", flops_per_second, calibration)
+        flops_per_second, memory_bytes_per_second = calibrated_rates(
+            calibration, target, key="distributed.activation_checkpointing.calibration")
+        logger.info("planner: recompute priced at %.3g FLOP/s%s from %s", flops_per_second,
+                    f" and {memory_bytes_per_second:.3g} B/s for memory-bound ops" if memory_bytes_per_second else "",
+                    calibration)
     recipe, run = recipe_step(cfg, target=target, **options)
-    return recipe, run, flops_per_second
+    return recipe, run, {"flops_per_second": flops_per_second, "memory_bytes_per_second": memory_bytes_per_second}
 
 
 def recipe_budget(cfg: RecipeConfig, budget: BudgetLike, target: str, *, key: str = "memory_budget") -> int:

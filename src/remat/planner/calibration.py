@@ -10,6 +10,13 @@ recompute really costs on the device, memory-bound element-wise ops included (th
 When the step times are too noisy for a positive slope (tiny models on a busy CPU), the whole un-checkpointed step's
 counted FLOPs over its median time is used instead and said so (``method: whole-step``).
 
+By op class (``method: recompute-fit-by-class``): each profiled step also counts the bytes its memory-bound ops
+write (`remat.planner.measure.count_ops`), and the extra time is fitted as ``extra FLOPs / flops_per_second + extra
+bytes / memory_bytes_per_second`` (least squares through the origin in both reciprocals). When both come out
+positive, both are kept and the planner prices recompute by class (`remat.planner.timing.RecomputeRates`); else the
+one-number fit above is used. A calibration written before the classes were counted has no
+``memory_bytes_per_second`` and prices FLOPs alone.
+
 This module loads neither torch nor transformers.
 """
 
@@ -26,7 +33,7 @@ from typing import Any, Final
 from remat._files import read_regular_bytes, write_atomic
 from remat.errors import ConfigError
 
-METHODS: Final[tuple[str, ...]] = ("recompute-fit", "whole-step")
+METHODS: Final[tuple[str, ...]] = ("recompute-fit-by-class", "recompute-fit", "whole-step")
 TARGETS: Final[tuple[str, ...]] = ("cuda", "cpu")
 _REQUIRED: Final[tuple[str, ...]] = ("device", "target", "torch_version", "flops_per_second", "date", "method")
 
@@ -43,14 +50,18 @@ class Calibration:
     date: str
     method: str
     details: dict[str, Any] = field(default_factory=dict)
+    memory_bytes_per_second: float | None = None
+    """The rate memory-bound ops write at (``recompute-fit-by-class``); None: not fitted."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return asdict(self)
 
     def describe(self) -> str:
-        """One line: throughput, device, method and date."""
-        return (f"{self.flops_per_second / 1e12:.3g} TFLOP/s on {self.device} (torch {self.torch_version}, "
+        """One line: throughput(s), device, method and date."""
+        memory = (f", memory-bound ops {self.memory_bytes_per_second / 1e9:.3g} GB/s"
+                  if self.memory_bytes_per_second is not None else "")
+        return (f"{self.flops_per_second / 1e12:.3g} TFLOP/s{memory} on {self.device} (torch {self.torch_version}, "
                 f"{self.method}, {self.date})")
 
 
@@ -61,6 +72,8 @@ class TimingSample:
     label: str
     median_step_s: float
     step_flops: int
+    step_memory_bytes: int = 0
+    """Bytes the step's memory-bound ops wrote (0: not counted)."""
 
 
 def fit_flops_per_second(samples: Sequence[TimingSample], *, baseline: str = "none") -> tuple[float, str,
@@ -92,13 +105,44 @@ def fit_flops_per_second(samples: Sequence[TimingSample], *, baseline: str = "no
     return whole_step, "whole-step", details
 
 
+def fit_by_class(samples: Sequence[TimingSample], *, baseline: str = "none") -> tuple[float, float] | None:
+    """(flops_per_second, memory_bytes_per_second) fitted from the extra time, FLOPs and memory-bound bytes of each
+    setting over ``baseline`` (module docstring); None when the samples do not give both positive (too few settings,
+    bytes not counted, noise)."""
+    base = next((s for s in samples if s.label == baseline), None)
+    if base is None:
+        return None
+    rows = [(s.step_flops - base.step_flops, s.step_memory_bytes - base.step_memory_bytes,
+             s.median_step_s - base.median_step_s) for s in samples if s is not base]
+    ff = sum(f * f for f, _, _ in rows)
+    fb = sum(f * b for f, b, _ in rows)
+    bb = sum(b * b for _, b, _ in rows)
+    fe = sum(f * e for f, _, e in rows)
+    be = sum(b * e for _, b, e in rows)
+    determinant = ff * bb - fb * fb
+    if len(rows) < 2 or determinant <= 1e-9 * max(ff * bb, 1.0):
+        return None
+    per_flop = (fe * bb - be * fb) / determinant  # seconds per FLOP
+    per_byte = (ff * be - fb * fe) / determinant  # seconds per byte
+    if per_flop <= 0 or per_byte <= 0:
+        return None
+    return 1.0 / per_flop, 1.0 / per_byte
+
+
 def make_calibration(samples: Sequence[TimingSample], *, device: str, target: str, torch_version: str,
                      baseline: str = "none") -> Calibration:
-    """A `Calibration` fitted from ``samples`` (see `fit_flops_per_second`), dated now (UTC)."""
+    """A `Calibration` fitted from ``samples`` (see `fit_by_class`, else `fit_flops_per_second`), dated now
+    (UTC)."""
     fps, method, details = fit_flops_per_second(samples, baseline=baseline)
+    by_class = fit_by_class(samples, baseline=baseline)
+    memory: float | None = None
+    if by_class is not None:
+        details["one_number_fit"] = {"flops_per_second": fps, "method": method}
+        (fps, memory), method = by_class, "recompute-fit-by-class"
+        details["memory_bytes_points"] = {s.label: s.step_memory_bytes for s in samples}
     return Calibration(device=device, target=target, torch_version=torch_version, flops_per_second=fps,
                        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), method=method,
-                       details=details)
+                       details=details, memory_bytes_per_second=memory)
 
 
 def write_calibration(calibration: Calibration, path: str | Path) -> Path:
@@ -144,17 +188,28 @@ def read_calibration(path: str | Path, *, key: str = "--calibration") -> Calibra
         if not isinstance(data[name], str):
             raise ConfigError(f"{where}: {name} is {data[name]!r}; allowed: a string")
     details = data.get("details", {})
+    memory = data.get("memory_bytes_per_second")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float))
+                               or not math.isfinite(memory) or memory <= 0):
+        raise ConfigError(f"{where}: memory_bytes_per_second is {memory!r}; allowed: a finite number > 0 or null")
     return Calibration(device=data["device"], target=data["target"], torch_version=data["torch_version"],
                        flops_per_second=float(fps), date=data["date"], method=data["method"],
-                       details=details if isinstance(details, dict) else {})
+                       details=details if isinstance(details, dict) else {},
+                       memory_bytes_per_second=float(memory) if memory is not None else None)
 
 
 def calibrated_flops_per_second(path: str | Path, target: str, *, key: str) -> float:
-    """The throughput in the calibration at ``path`` for planning on ``target``; `ConfigError` naming ``key`` when
-    the file is malformed or was measured on the other target (a CPU's throughput says nothing of a GPU's)."""
+    """The throughput in the calibration at ``path`` for planning on ``target`` (see `calibrated_rates`)."""
+    return calibrated_rates(path, target, key=key)[0]
+
+
+def calibrated_rates(path: str | Path, target: str, *, key: str) -> tuple[float, float | None]:
+    """(flops_per_second, memory_bytes_per_second or None) in the calibration at ``path`` for planning on
+    ``target``; `ConfigError` naming ``key`` when the file is malformed or was measured on the other target (a CPU's
+    throughput says nothing of a GPU's)."""
     calibration = read_calibration(path, key=key)
     if calibration.target != target:
         raise ConfigError(f"{key}: {str(path)!r} was measured on {calibration.target} ({calibration.device}) but "
                           f"this plan is for {target}; profile on the {target} (remat profile --write-calibration) "
                           "or drop the calibration")
-    return calibration.flops_per_second
+    return calibration.flops_per_second, calibration.memory_bytes_per_second

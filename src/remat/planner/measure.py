@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat._logs import quiet_log
 from remat.checkpointing import CheckpointPolicy, apply_activation_checkpointing
@@ -63,12 +64,16 @@ _aten = torch.ops.aten
 class ModeCost:
     """One mode on one block: ``kept_bytes`` held from the block's forward until its backward (its output, the next
     block's input, not included), ``recompute_flops`` that backward recomputes, ``backward_peak_bytes`` the most
-    the block's backward holds above what it kept (recomputed activations, gradients of its inputs)."""
+    the block's backward holds above what it kept (recomputed activations, gradients of its inputs). What the
+    recompute costs by op class (`OpCounts`, NOTE [ What recompute costs by op class ]): ``recompute_flops`` includes
+    ``recompute_attention_flops``; ``recompute_memory_bytes`` are the bytes the recomputed memory-bound ops write."""
 
     mode: Mode
     kept_bytes: int
     recompute_flops: int
     backward_peak_bytes: int
+    recompute_attention_flops: int = 0
+    recompute_memory_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,15 +155,15 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun, balanced_routing: b
     kinds = []
     for group in groups:
         first = group[0]
-        raw = {mode: (kept // share, flops // flops_share, peak // share)
-               for mode, (kept, flops, peak) in _measure_kind(net, first, calls[first.index], fake, block_run).items()}
-        base_flops = raw["none"][1]
+        raw = {mode: (kept // share, counts.divided(share, flops_share), peak // share)
+               for mode, (kept, counts, peak) in _measure_kind(net, first, calls[first.index], fake, block_run).items()}
+        base = raw["none"][1]
         kinds.append(BlockKind(
             name=_kind_name(first, len(groups)),
             indices=tuple(block.index for block in group),
-            costs=tuple(ModeCost(mode, kept, max(0, flops - base_flops), backward_peak)
-                        for mode, (kept, flops, backward_peak) in raw.items()),
-            flops=base_flops, is_moe=first.is_moe,
+            costs=tuple(ModeCost(mode, kept, *counts.beyond(base).flops_and_peak(backward_peak))
+                        for mode, (kept, counts, backward_peak) in raw.items()),
+            flops=base.flops, is_moe=first.is_moe,
         ))
     hidden = int(net.config.get_text_config().hidden_size)
     tokens = recipe.step_scheduler.local_batch_size * recipe.dataset.seq_length // share
@@ -172,10 +177,10 @@ def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun, balanced_routing: b
 
 
 def _measure_kind(net: nn.Module, block: Block, call: tuple[tuple[Any, ...], dict[str, Any]],
-                  fake: FakeTensorMode, block_run: _BlockRun) -> dict[Mode, tuple[int, int, int]]:
-    """(kept bytes, forward + backward FLOPs, backward peak) per mode the block gets, ``none`` first; a mode that
-    falls back to one already measured (a KV-sharing producer's attention) is left out."""
-    out: dict[Mode, tuple[int, int, int]] = {}
+                  fake: FakeTensorMode, block_run: _BlockRun) -> dict[Mode, tuple[int, OpCounts, int]]:
+    """(kept bytes, forward + backward op counts, backward peak) per mode the block gets, ``none`` first; a mode
+    that falls back to one already measured (a KV-sharing producer's attention) is left out."""
+    out: dict[Mode, tuple[int, OpCounts, int]] = {}
     for mode in CANDIDATE_MODES:
         if (mode == "attention" and not block.attention) or (mode == "mlp" and not block.mlp):
             continue
@@ -216,11 +221,11 @@ class _BlockRun:
 
 
 def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], fake: FakeTensorMode,
-               block_run: _BlockRun) -> tuple[int, int, int]:
+               block_run: _BlockRun) -> tuple[int, OpCounts, int]:
     args, kwargs = call
     with block_run(fake):
         hidden, args, kwargs = _fresh_hidden(args, kwargs)
-        with LiveTensorTracker() as tracker, FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+        with LiveTensorTracker() as tracker, count_ops() as counter:
             result = module(*args, **kwargs)
             output = result if isinstance(result, torch.Tensor) else next(
                 t for t in result if isinstance(t, torch.Tensor))
@@ -230,7 +235,7 @@ def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], 
                 output.backward(torch.ones_like(output))
             backward_peak = tracker.peak_bytes - kept
             del result, output, hidden
-    return kept, int(counter.get_total_flops()), backward_peak
+    return kept, counter.counts(), backward_peak
 
 
 # NOTE [ Blocks that compute without autograd ]
@@ -295,6 +300,78 @@ def _capture_calls(net: nn.Module, blocks: list[Block], batch: dict[str, torch.T
         raise ConfigError(f"distributed.activation_checkpointing: the planner could not observe blocks "
                           f"{sorted(missing)} in the model's forward; give a concrete policy instead of 'auto'")
     return calls
+
+
+# --- what recompute costs by op class ----------------------------------------------------------------------------
+
+# NOTE [ What recompute costs by op class ]
+# A FLOP of a matmul, a FLOP of attention and an element-wise op (which torch's FLOP counter counts as zero) do not
+# take the same time: matmuls run near the device's peak, attention kernels below it, and norms, activations,
+# dropout and casts are bound by memory bandwidth. Selective checkpointing recomputes mostly the last kind, full
+# checkpointing mostly the first, so pricing both by FLOPs alone can rank them wrongly. Each block's forward and
+# backward is therefore counted by class: FLOPs (torch's counter with `FLOP_FORMULAS`), of which attention's, and the
+# bytes written by every other op that makes a new tensor (not views): the memory-bound work. The planner prices
+# each class at its own rate (`remat.planner.timing.RecomputeRates`), calibrated by `remat profile`; without
+# calibrated rates only the FLOPs count, as before.
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """Forward plus backward work of one block under one mode: ``flops`` (attention's included),
+    ``attention_flops``, and ``memory_bytes`` written by memory-bound ops."""
+
+    flops: int
+    attention_flops: int = 0
+    memory_bytes: int = 0
+
+    def divided(self, share: int, flops_share: int) -> OpCounts:
+        """A rank's part under context (``share``) and tensor parallelism (``flops_share``): see the module NOTE."""
+        return OpCounts(self.flops // flops_share, self.attention_flops // flops_share, self.memory_bytes // share)
+
+    def beyond(self, base: OpCounts) -> OpCounts:
+        """What this counts beyond ``base`` (never negative): a mode's recompute against ``none``."""
+        return OpCounts(max(0, self.flops - base.flops), max(0, self.attention_flops - base.attention_flops),
+                        max(0, self.memory_bytes - base.memory_bytes))
+
+    def flops_and_peak(self, backward_peak: int) -> tuple[int, int, int, int]:
+        """The `ModeCost` fields after ``kept_bytes``, in order."""
+        return self.flops, backward_peak, self.attention_flops, self.memory_bytes
+
+
+class _OpClassCounter(TorchDispatchMode):
+    """Bytes written by ops outside torch's FLOP formulas (memory-bound ops), views and compute ops left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory_bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not (func.is_view or func in FLOP_FORMULAS or func._overloadpacket in flop_registry):
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self.memory_bytes += tensor.numel() * tensor.element_size()
+        return out
+
+
+class _Counter:
+    def __init__(self, flops: FlopCounterMode, classes: _OpClassCounter) -> None:
+        self._flops, self._classes = flops, classes
+
+    def counts(self) -> OpCounts:
+        attention = sum(count for op, count in self._flops.get_flop_counts().get("Global", {}).items()
+                        if "attention" in str(op))
+        return OpCounts(int(self._flops.get_total_flops()), int(attention), self._classes.memory_bytes)
+
+
+@contextlib.contextmanager
+def count_ops() -> Iterator[_Counter]:
+    """Count the work of what runs inside, by op class (NOTE [ What recompute costs by op class ]); ``.counts()``
+    after the block."""
+    flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
+    classes = _OpClassCounter()
+    with flops, classes:
+        yield _Counter(flops, classes)
 
 
 # --- grouping, dtypes, FLOP formulas -------------------------------------------------------------------------------

@@ -42,10 +42,11 @@ from remat.estimate.settings import LOSS_TARGETS, StepSettings, report_settings
 from remat.models import ModelConfig
 from remat.recipes.config import RecipeConfig
 from remat.planner.advice import moe_selective_note
-from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, totals, uniform
+from remat.planner.choose import assign, cheapest_saving, frontier, policy_of, total_cost, totals, uniform
 from remat.planner.measure import BlockMeasurements, measure_blocks, quiet_checkpointing_log
 from remat.planner.result import ActivationPlan, BlockChoice, Candidate
 from remat.planner.spelling import RECIPE, Spelling
+from remat.planner.timing import RecomputeRates
 from remat.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,11 @@ class Planner:
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     spelling: Spelling = RECIPE
     """How errors name the settings that would help (`remat.planner.spelling`): recipe keys by default."""
+    attention_flops_per_second: float | None = None
+    memory_bytes_per_second: float | None = None
+    """Rates of the other op classes (`remat.planner.timing.RecomputeRates`; a calibration's); None: not priced
+    apart from the matmuls."""
+    rates: RecomputeRates = field(init=False)
     accumulation: int = field(init=False)
     """Micro-batches per optimizer step: recompute FLOPs and host copies are per step."""
     measurements: BlockMeasurements = field(init=False)
@@ -107,8 +113,8 @@ class Planner:
     def __post_init__(self) -> None:
         if self.flops_per_second is None:
             self.flops_per_second = DEFAULT_FLOPS_PER_SECOND[self.run.target]
-        elif not self.flops_per_second > 0:
-            raise ConfigError(f"flops_per_second: got {self.flops_per_second!r}; allowed: a number > 0")
+        self.rates = RecomputeRates(self.flops_per_second, self.attention_flops_per_second,
+                                    self.memory_bytes_per_second)
         if isinstance(self.host_bandwidth, bool) or not (isinstance(self.host_bandwidth, (int, float))
                                                          and self.host_bandwidth > 0):
             raise ConfigError(f"host_bandwidth: got {self.host_bandwidth!r}; allowed: bytes per second, a number > 0")
@@ -116,7 +122,7 @@ class Planner:
         self.accumulation = check_simulable(self.recipe, self.run)
         self._model_name = self.recipe.model.describe()
         self.measurements = measure_blocks(self.recipe, self.run)
-        self._frontier = frontier(self.measurements)
+        self._frontier = frontier(self.measurements, self.rates.cost_of)
         logger.info("planner: measured %d block kind(s) of %d blocks in %.1f s; %d Pareto-optimal assignments",
                     len(self.measurements.kinds), self.measurements.num_blocks, self.measurements.seconds,
                     len(self._frontier))
@@ -300,7 +306,7 @@ class Planner:
     def _cheaper_uniforms(self, best: Candidate | None, budget_bytes: int) -> list[Candidate]:
         """The uniform policies that could beat ``best`` (fewer FLOPs), each priced by the estimate."""
         return [self._candidate(label, modes, budget_bytes, is_uniform=True) for label, modes in self._uniforms()
-                if best is None or totals(modes, self.measurements)[1] * self.accumulation < best.recompute_flops]
+                if best is None or self._cost(modes) < best.recompute_cost]
 
     def _offloaded_candidates(self, best: Candidate | None, budget_bytes: int, everything: bool) -> list[Candidate]:
         """The `OFFLOADED` policies (on a GPU) whose recompute alone takes less time than ``best`` (all of them with
@@ -313,14 +319,16 @@ class Planner:
             modes = uniform(self.measurements, mode)
             if all(m == "none" for m in modes):
                 continue
-            flops = totals(modes, self.measurements)[1] * self.accumulation
-            if everything or best is None or flops / self.flops_per_second < self._seconds(best):
+            if everything or best is None or self.rates.seconds(self._cost(modes)) < self._seconds(best):
                 out.append(self._candidate(label, modes, budget_bytes, is_uniform=True, offload=True))
         return out
 
     def _seconds(self, candidate: Candidate) -> float:
-        assert self.flops_per_second is not None
-        return candidate.seconds(self.flops_per_second, self.host_bandwidth)
+        return candidate.seconds(self.rates.flops_per_second, self.host_bandwidth)
+
+    def _cost(self, modes: tuple[Mode, ...]) -> int:
+        """The recompute cost of ``modes`` per optimizer step, FLOP-equivalents (`RecomputeRates.cost`)."""
+        return total_cost(modes, self.measurements, self.rates.cost_of) * self.accumulation
 
     def _candidate(self, label: str, modes: tuple[Mode, ...], budget_bytes: int, *, is_uniform: bool,
                    offload: bool = False) -> Candidate:
@@ -338,7 +346,7 @@ class Planner:
         # every offloaded byte goes to the host and comes back, once per micro-batch
         transfer = 2 * estimate.host_peak_bytes * self.accumulation
         return Candidate(label, policy, modes, estimate.peak_bytes, flops, estimate.peak_bytes <= budget_bytes,
-                         is_uniform, transfer)
+                         is_uniform, transfer, recompute_cost=self._cost(modes))
 
     def _result(self, best: Candidate, budget_bytes: int, candidates: list[Candidate]) -> ActivationPlan:
         m = self.measurements
@@ -367,7 +375,8 @@ class Planner:
             recompute_flops=best.recompute_flops, step_flops=self.step_flops,
             flops_per_second=self.flops_per_second, target=self.run.target, blocks=tuple(blocks),
             candidates=tuple(candidates), notes=tuple(notes), transfer_bytes=best.transfer_bytes,
-            host_bandwidth=self.host_bandwidth, loss=self.loss,
+            host_bandwidth=self.host_bandwidth, loss=self.loss, recompute_cost=best.recompute_cost,
+            rates=self.rates if self.rates.by_class else None,
         )
 
     def _nothing_fits(self, budget_bytes: int, candidates: list[Candidate], *, uniforms: bool = True) -> ConfigError:

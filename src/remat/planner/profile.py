@@ -133,6 +133,8 @@ class SettingResult:
     losses: list[float] = field(default_factory=list)
     tokens_per_step: int = 0
     step_flops: int = 0
+    step_memory_bytes: int = 0
+    """Bytes the first step's memory-bound ops wrote (`remat.planner.measure.count_ops`)."""
     memory_source: str = ""
     plan: PlanSummary | None = None
     error: str = ""
@@ -171,7 +173,7 @@ class SettingResult:
         if self.ok:
             out.update(peak_bytes=self.peak, peak_gib=round(self.peak / GIB, 4),
                        median_step_s=round(self.median_step_s, 6), tokens_per_s=round(self.tokens_per_s, 1),
-                       step_flops=self.step_flops)
+                       step_flops=self.step_flops, step_memory_bytes=self.step_memory_bytes)
         out.update(memory_source=self.memory_source, warmup_steps=self.warmup, steps_per_round=self.steps_per_round,
                    tokens_per_step=self.tokens_per_step,
                    step_times_s=[round(t, 6) for t in self.step_times_s], step_peak_bytes=self.peak_bytes,
@@ -197,7 +199,8 @@ class ProfileReport:
 
     def samples(self) -> list[TimingSample]:
         """The settings that ran, as calibration samples."""
-        return [TimingSample(r.label, r.median_step_s, r.step_flops) for r in self.results if r.ok]
+        return [TimingSample(r.label, r.median_step_s, r.step_flops, r.step_memory_bytes) for r in self.results
+                if r.ok]
 
     def loss_difference(self) -> float | None:
         """The largest difference of any step's loss between settings that ran (every policy computes the same

@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from remat.checkpointing.policy import parse_policy
 from remat.errors import ConfigError
 from remat.planner.api import default_target, device_bytes, planner_for_recipe, recipe_budget
 from remat.checkpointing.budget import parse_budget
-from remat.planner.measure import FLOP_FORMULAS
+from remat.planner.measure import count_ops
 from remat.planner.planner import Planner
 from remat.planner.profile import PlanSummary, ProfileReport, Setting, SettingResult
 from remat.recipes.finetune import FinetuneRecipe
@@ -128,6 +127,7 @@ def _run_setting(cfg: Any, result: SettingResult) -> None:
         result.losses += [r.loss for r in records]
         result.tokens_per_step = round(records[0].tps * records[0].step_time_s) if records else 0
         result.step_flops = result.step_flops or meter.flops
+        result.step_memory_bytes = result.step_memory_bytes or meter.memory_bytes
         result.memory_source = meter.source
     except torch.cuda.OutOfMemoryError as err:
         result.error = f"out of memory: {str(err).splitlines()[0]}"
@@ -145,12 +145,14 @@ def _run_setting(cfg: Any, result: SettingResult) -> None:
 
 
 class CountingMeter:
-    """The recipe's `remat.memory.StepMemoryMeter`, with its first step also run under torch's ``FlopCounterMode``
-    (``flops``: what that step counted: matmuls and attention, forward, backward and recompute)."""
+    """The recipe's `remat.memory.StepMemoryMeter`, with its first step also counted by op class
+    (`remat.planner.measure.count_ops`: ``flops``, matmuls and attention, forward, backward and recompute;
+    ``memory_bytes``, what its memory-bound ops wrote)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.flops = 0
+        self.memory_bytes = 0
         self._counted = False
 
     @property
@@ -171,10 +173,11 @@ class CountingMeter:
             with self._inner.step(**kwargs):
                 yield
             return
-        with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter, self._inner.step(**kwargs):
+        with count_ops() as counter, self._inner.step(**kwargs):
             yield
         self._counted = True
-        self.flops = int(counter.get_total_flops())
+        counts = counter.counts()
+        self.flops, self.memory_bytes = counts.flops, counts.memory_bytes
 
 
 def device_name(target: str) -> str:

@@ -49,6 +49,7 @@ def report_dict(planner: Planner, frontier: Sequence[Candidate], answers: Sequen
         "model": planner.recipe.model.describe(),
         "target": planner.run.target,
         "flops_per_second": planner.flops_per_second,
+        "rates_per_second": planner.rates.to_dict(),
         "measurements": measurements_dict(planner.measurements),
         "frontier": [candidate.to_dict() for candidate in frontier],
         "budgets": [answer.to_dict() for answer in answers],
@@ -62,7 +63,8 @@ def report_text(planner: Planner, frontier: Sequence[Candidate], answers: Sequen
              ""]
     if frontier:
         lines += ["frontier: uniform policies (peak by the estimate, recompute per step):",
-                  *candidate_rows(frontier, planner.step_flops, fits=False)]
+                  *candidate_rows(frontier, planner.step_flops, fits=False,
+                                  flops_per_second=planner.rates.flops_per_second)]
     else:
         lines.append("frontier: not priced (no budget reaches the smallest plan's peak; each budget says what it needs)")
     for answer in answers:
@@ -74,7 +76,8 @@ def report_text(planner: Planner, frontier: Sequence[Candidate], answers: Sequen
         tried = [c for c in answer.plan.candidates if not c.uniform]
         if tried:
             lines.append("  plans priced by the estimate for this budget:")
-            lines += ["  " + row for row in candidate_rows(tried, answer.plan.step_flops, chosen=answer.plan.policy)]
+            lines += ["  " + row for row in candidate_rows(tried, answer.plan.step_flops, chosen=answer.plan.policy,
+                                                           flops_per_second=answer.plan.flops_per_second)]
     return "\n".join(lines)
 
 

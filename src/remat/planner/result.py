@@ -14,6 +14,7 @@ from typing import Any
 
 from remat.checkpointing import CheckpointPolicy
 from remat.checkpointing.policy import Mode
+from remat.planner.timing import RecomputeRates
 from remat.units import format_bytes, format_flops
 
 GIB = 2**30
@@ -50,18 +51,25 @@ class Candidate:
     fits: bool
     uniform: bool
     transfer_bytes: int = 0
+    recompute_cost: int = -1
+    """The recompute's predicted time in FLOP-equivalents at the matmul rate (`remat.planner.timing`); its FLOPs
+    when not given."""
+
+    def __post_init__(self) -> None:
+        if self.recompute_cost < 0:
+            object.__setattr__(self, "recompute_cost", self.recompute_flops)
 
     def seconds(self, flops_per_second: float, host_bandwidth: float) -> float:
-        """Predicted extra time per optimizer step: the recompute at ``flops_per_second`` plus the host<->device
-        copies at ``host_bandwidth`` bytes/s (taken as not overlapping the compute)."""
-        return self.recompute_flops / flops_per_second + self.transfer_bytes / host_bandwidth
+        """Predicted extra time per optimizer step: the recompute at ``flops_per_second`` (in FLOP-equivalents) plus
+        the host<->device copies at ``host_bandwidth`` bytes/s (taken as not overlapping the compute)."""
+        return self.recompute_cost / flops_per_second + self.transfer_bytes / host_bandwidth
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return {"label": self.label, "policy": self.policy.to_dict(), "modes": list(self.modes),
                 "peak_bytes": self.peak_bytes, "peak_gib": round(self.peak_bytes / GIB, 3),
-                "recompute_flops": self.recompute_flops, "transfer_bytes": self.transfer_bytes, "fits": self.fits,
-                "uniform": self.uniform}
+                "recompute_flops": self.recompute_flops, "recompute_cost": self.recompute_cost,
+                "transfer_bytes": self.transfer_bytes, "fits": self.fits, "uniform": self.uniform}
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,15 @@ class ActivationPlan:
     loss: str = ""
     """The loss the plan is for: ``plain`` / ``fused`` (chosen with ``activation_checkpointing.loss: choose``) or the
     recipe's ``loss_fn._target_``."""
+    recompute_cost: int = -1
+    """The recompute's predicted time in FLOP-equivalents at ``flops_per_second`` (`remat.planner.timing`); its
+    FLOPs when not given, or when only one throughput is known."""
+    rates: RecomputeRates | None = None
+    """The per-class rates the recompute was priced at (a calibration's); None: FLOPs at ``flops_per_second``."""
+
+    def __post_init__(self) -> None:
+        if self.recompute_cost < 0:
+            object.__setattr__(self, "recompute_cost", self.recompute_flops)
 
     @property
     def transfer_seconds(self) -> float:
@@ -109,8 +126,8 @@ class ActivationPlan:
 
     @property
     def recompute_seconds(self) -> float:
-        """Predicted time of the recompute per optimizer step at ``flops_per_second``."""
-        return self.recompute_flops / self.flops_per_second
+        """Predicted time of the recompute per optimizer step (at ``rates`` when given, else ``flops_per_second``)."""
+        return self.recompute_cost / self.flops_per_second
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: budget, policy, predicted peak and recompute, per-block choices and the candidates."""
@@ -124,8 +141,10 @@ class ActivationPlan:
             "recompute_flops": self.recompute_flops,
             "step_flops": self.step_flops,
             "overhead": round(self.overhead, 4),
+            "recompute_cost": self.recompute_cost,
             "recompute_seconds": self.recompute_seconds,
             "flops_per_second": self.flops_per_second,
+            **({"rates_per_second": self.rates.to_dict()} if self.rates is not None else {}),
             "transfer_bytes": self.transfer_bytes,
             "transfer_seconds": self.transfer_seconds,
             "target": self.target,
@@ -146,7 +165,8 @@ class ActivationPlan:
         return (f"{self.policy.describe()}: predicted peak {format_bytes(self.peak_bytes)} of "
                 f"{format_bytes(self.budget_bytes)} budget; recompute {format_flops(self.recompute_flops)} "
                 f"(+{100 * self.overhead:.1f}% of the step, ~{self.recompute_seconds:.3f} s at "
-                f"{self.flops_per_second / 1e12:g} TFLOP/s){transfers}")
+                f"{self.rates.describe() if self.rates is not None else f'{self.flops_per_second / 1e12:g} TFLOP/s'})"
+                f"{transfers}")
 
     def table(self, *, candidates: bool = True) -> str:
         """The per-block choices (consecutive blocks with the same choice on one row), then, with ``candidates``,
@@ -154,7 +174,8 @@ class ActivationPlan:
         lines = [self.summary(), *block_rows(self.blocks)]
         if candidates:
             lines += ["", "candidates (peak by the estimate, recompute per step):"]
-            lines += candidate_rows(self.candidates, self.step_flops, chosen=self.policy)
+            lines += candidate_rows(self.candidates, self.step_flops, chosen=self.policy,
+                                    flops_per_second=self.flops_per_second)
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -181,15 +202,19 @@ def block_rows(blocks: Sequence[BlockChoice]) -> list[str]:
 
 
 def candidate_rows(candidates: Sequence[Candidate], step_flops: int, *, chosen: CheckpointPolicy | None = None,
-                   fits: bool = True) -> list[str]:
-    """A table of candidates ordered by recompute FLOPs; the ``chosen`` policy is marked ``*``; ``fits`` adds
-    whether each fits the budget it was priced for."""
-    rows = [("", "candidate", "policy", "peak", "recompute", "overhead", "fits")]
-    for c in sorted(candidates, key=lambda c: (c.recompute_flops, c.peak_bytes)):
+                   fits: bool = True, flops_per_second: float | None = None) -> list[str]:
+    """A table of candidates ordered by predicted recompute time (FLOP-equivalents, `remat.planner.timing`); the
+    ``chosen`` policy is marked ``*``; ``flops_per_second`` adds the predicted recompute seconds per step; ``fits``
+    adds whether each fits the budget it was priced for."""
+    timed = flops_per_second is not None
+    rows = [("", "candidate", "policy", "peak", "recompute", "overhead", *(("recompute s",) if timed else ()),
+             "fits")]
+    for c in sorted(candidates, key=lambda c: (c.recompute_cost, c.recompute_flops, c.peak_bytes)):
         mark = "*" if chosen is not None and c.policy == chosen else ""
         overhead = f"+{100 * c.recompute_flops / step_flops:.1f}%" if step_flops else "-"
+        seconds = (f"{c.recompute_cost / flops_per_second:.4g}",) if flops_per_second is not None else ()
         rows.append((mark, c.label, c.policy.describe(), format_bytes(c.peak_bytes),
-                     format_flops(c.recompute_flops), overhead, "yes" if c.fits else "no"))
+                     format_flops(c.recompute_flops), overhead, *seconds, "yes" if c.fits else "no"))
     return _columns(rows if fits else [row[:-1] for row in rows])
 
 
