@@ -310,7 +310,7 @@ def with_routing_fallback(recipe: RecipeConfig, simulate: Callable[[bool], _Resu
         return simulate(True), True
     except _DATA_DEPENDENT as err:
         raise ConfigError(f"model: {recipe.model.describe()} runs {getattr(err, 'func', 'an op')} on values fake "
-                          "tensors do not have, even with its expert routing fixed, so the estimate cannot simulate "
+                          "tensors do not have, even with any expert routing balanced, so the estimate cannot simulate "
                           "it; allowed: models whose every op has fixed output shapes") from err
 
 
