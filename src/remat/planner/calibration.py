@@ -198,11 +198,6 @@ def read_calibration(path: str | Path, *, key: str = "--calibration") -> Calibra
                        memory_bytes_per_second=float(memory) if memory is not None else None)
 
 
-def calibrated_flops_per_second(path: str | Path, target: str, *, key: str) -> float:
-    """The throughput in the calibration at ``path`` for planning on ``target`` (see `calibrated_rates`)."""
-    return calibrated_rates(path, target, key=key)[0]
-
-
 def calibrated_rates(path: str | Path, target: str, *, key: str) -> tuple[float, float | None]:
     """(flops_per_second, memory_bytes_per_second or None) in the calibration at ``path`` for planning on
     ``target``; `ConfigError` naming ``key`` when the file is malformed or was measured on the other target (a CPU's
