@@ -24,9 +24,10 @@ A budget is bytes, a size (40GiB, 24GB) or a fraction of the GPU's memory; witho
 activation_checkpointing.memory_budget, else the GPU's memory minus a margin. The budget is per rank. The printout gives the
 frontier (uniform policies with their predicted peak and recompute), then per budget the plan: per block the mode,
 bytes kept and saved and FLOPs recomputed, the predicted peak and the recompute overhead. See docs/planner.md.
-Recompute seconds are FLOPs at a throughput: --flops-per-second, or one measured on this device by
+Recompute seconds are FLOPs at a throughput (--flops-per-second), or the rates measured on this device by
 `remat profile RECIPE --write-calibration cal.json` and given as --calibration cal.json (or the recipe's
-activation_checkpointing.calibration).
+activation_checkpointing.calibration): FLOPs and, when the fit separates them, the bytes memory-bound ops write, each
+at its rate; plans are then chosen for the fewest predicted seconds (a `recompute s` column per candidate).
 Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4).
 """
 
@@ -51,7 +52,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--flops-per-second", type=float,
                         help="throughput recompute is priced at (default: 4e14 for cuda, 5e10 for cpu)")
     parser.add_argument("--calibration", metavar="PATH",
-                        help="price recompute at the throughput measured by `remat profile --write-calibration PATH` "
+                        help="price recompute at the rates measured by `remat profile --write-calibration PATH` "
                              "(default: the recipe's activation_checkpointing.calibration, else the default above)")
     parser.add_argument("--loss-choice", choices=("keep", "choose"),
                         help="choose: plan for the plain and the fused loss and keep the faster plan that fits (its "

@@ -24,8 +24,9 @@ FLOP counter) and it is left out of the medians and peaks, as are further --warm
 largest step peak (CUDA: max_memory_allocated reset before each step; CPU: the exact tracked peak of live tensors).
 --rounds N runs the whole list N times in turn (medians over all rounds): on a shared machine, whose speed drifts,
 each setting then meets the drift alike.
---write-calibration fits the throughput the planner prices recompute at (extra step time over `none` against the
-extra FLOPs counted) and writes it for `remat plan --calibration PATH` and activation_checkpointing.calibration.
+--write-calibration fits the rates the planner prices recompute at (extra step time over `none` against the extra
+FLOPs counted and, when both come out positive, the extra bytes memory-bound ops wrote) and writes them for
+`remat plan --calibration PATH` and activation_checkpointing.calibration.
 One process: for a ddp / fsdp2 recipe, profile one rank's shape (--distributed.strategy single ...).
 Recipe keys can be overridden like with `remat finetune` (--step_scheduler.local_batch_size 4). See docs/planner.md.
 """
