@@ -47,6 +47,7 @@ from remat.estimate.settings import StepSettings
 from remat.estimate.simulate import make_batch
 from remat.memory import LiveTensorTracker
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module
+from remat.recipes.config import CompileConfig
 from remat.recipes.step import step_label_tokens, train_step
 
 GIB = 2**30
@@ -67,9 +68,13 @@ class RealStep(NamedTuple):
     """One fwd + bwd + clip + optimizer step: the recipe's own ``remat.recipes.step.train_step``."""
 
 
-def build_step(model_name: str, settings: StepSettings, device: torch.device) -> RealStep:
-    """Model (seeded weights), checkpointing and loss module, optimizer and batch of ``settings`` on ``device``."""
+def build_step(model_name: str, settings: StepSettings, device: torch.device,
+               compile: CompileConfig | None = None) -> RealStep:
+    """Model (seeded weights), checkpointing and loss module, optimizer and batch of ``settings`` on ``device``;
+    ``compile``: the recipe's ``compile`` section (each decoder block compiled after checkpointing wraps it)."""
     recipe = settings.to_recipe(resolve_model(model_name))
+    if compile is not None:
+        recipe = recipe.model_copy(update={"compile": compile})
     torch.manual_seed(0)
     d = recipe.distributed  # single, or a torchrun worker's layout (bench_context_parallel.py)
     setup = DistributedSetup.build(strategy=d.strategy, activation_checkpointing=d.activation_checkpointing,

@@ -287,15 +287,21 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def report_header(title: str, meta: dict[str, Any], script: str, ratios: str) -> list[str]:
+    """A results file's title and what it measured, how and with which command (``ratios``: what they compare)."""
+    return [f"# {title}", "",
+            f"- {meta['preset']}, batch {meta['batch']} x seq {meta['seq']}, {meta['dtype']}, AdamW; torch "
+            f"{meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}; {meta['date']}",
+            f"- peak = `max_memory_allocated` of one step after {meta['warmup']} warm-up steps; step time = median of "
+            f"{meta['steps']} steps (synchronised); {ratios}",
+            f"- command: `python benchmarks/{script} " + " ".join(meta["argv"]) + "`", ""]
+
+
 def render_markdown(results: Sequence[Result], meta: dict[str, Any]) -> str:
     """The side-by-side table; ratios are to ``none`` with the same loss."""
     base = {r.loss: r for r in results if r.label == "none"}
-    lines = [f"# Checkpointing policies on {meta['device']}", "",
-             f"- {meta['preset']}, batch {meta['batch']} x seq {meta['seq']}, {meta['dtype']}, AdamW; torch "
-             f"{meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}; {meta['date']}",
-             f"- peak = `max_memory_allocated` of one step after {meta['warmup']} warm-up steps; step time = median of "
-             f"{meta['steps']} steps (synchronised); ratios are to `none` with the same loss",
-             "- command: `python benchmarks/bench_gpu.py " + " ".join(meta["argv"]) + "`", "",
+    lines = [*report_header(f"Checkpointing policies on {meta['device']}", meta, "bench_gpu.py",
+                            "ratios are to `none` with the same loss"),
              "| row | loss | peak GiB | vs none | median step s | vs none | tokens/s |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -337,8 +343,9 @@ def write(results: Sequence[Result], meta: dict[str, Any], out: Path, *, long_co
     return stem.with_suffix(".md")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step's shape, the warm-up and timed steps, ``--out`` and ``--check-on-cpu`` (`shape_defaults` fills the
+    shape in; bench_pareto.py shares them)."""
     parser.add_argument("--preset", default=None, help="remat model preset (default llama-3.2-1b; tiny-llama with "
                                                         "--check-on-cpu)")
     parser.add_argument("--batch", type=int, default=None, help="rows per step (default 8; 2 with --check-on-cpu)")
@@ -350,6 +357,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--check-on-cpu", action="store_true",
                         help="run the same code on the CPU with a tiny preset (for the test suite)")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_arguments(parser)
     parser.add_argument("--long-context", action="store_true",
                         help="measure the long-context rows (LONG_ROWS) at batch 1 and --lengths instead")
     parser.add_argument("--lengths", type=lambda text: [int(x) for x in text.split(",")], default=None,
@@ -386,31 +398,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      f"{', '.join(label for label, _ in POLICIES)}, {TORCH_SAC}")
     if args.lengths is None:
         args.lengths = [256, 512] if args.check_on_cpu else list(LONG_LENGTHS)
-    cpu = args.check_on_cpu
+    return shape_defaults(args)
+
+
+def shape_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``--preset``/``--batch``/``--seq``/``--dtype`` left unset: the seed shape on a GPU, a tiny one with
+    ``--check-on-cpu`` (bench_pareto.py shares these)."""
     for name, gpu_default, cpu_default in (("preset", "llama-3.2-1b", "tiny-llama"), ("batch", 8, 2),
                                            ("seq", 2048, 64), ("dtype", "bfloat16", "float32")):
         if getattr(args, name) is None:
-            setattr(args, name, cpu_default if cpu else gpu_default)
+            setattr(args, name, cpu_default if args.check_on_cpu else gpu_default)
     return args
+
+
+def run_meta(args: argparse.Namespace, device: torch.device, argv: Sequence[str] | None) -> dict[str, Any]:
+    """What a result file says of its run: device, versions, shape, steps, command line and date."""
+    import transformers
+
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "preset": args.preset, "batch": args.batch, "seq": args.seq,
+            "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps,
+            "argv": list(argv if argv is not None else sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def measuring_device(args: argparse.Namespace, script: str) -> torch.device | None:
+    """The device a benchmark measures on (the CPU with ``--check-on-cpu``), with the fused loss's backend choice
+    logged; None, after saying so, where no CUDA device is visible."""
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("remat.loss").setLevel(logging.INFO)  # which fused-loss backend ran, and its measured times
+    if args.check_on_cpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA device here (torch.cuda.is_available() is False); this benchmark measures on a "
+              "GPU. Nothing was run (--check-on-cpu runs the same code on the CPU).", file=sys.stderr)
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("remat.loss").setLevel(logging.INFO)  # which fused-loss backend ran, and its measured times
-    if not args.check_on_cpu and not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False); this benchmark measures on a "
-              "GPU. Nothing was run (--check-on-cpu runs the same code on the CPU).", file=sys.stderr)
+    device = measuring_device(args, "bench_gpu")
+    if device is None:
         return 2
-    device = torch.device("cpu") if args.check_on_cpu else torch.device("cuda", torch.cuda.current_device())
-    import transformers
-
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "preset": args.preset, "batch": args.batch, "seq": args.seq,
-            "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps,
-            "argv": list(argv if argv is not None else sys.argv[1:]), "stem": args.stem,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    meta = run_meta(args, device, argv) | {"stem": args.stem}
 
     def report(r: Result) -> None:
         figures = r.error or (f"peak {(r.peak_bytes or 0) / GIB:.2f} GiB, median {r.median_seconds:.3f} s, "

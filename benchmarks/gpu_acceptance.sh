@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_acceptance.sh long        # the long-context setting at 512k tokens and on
 #   bash benchmarks/gpu_acceptance.sh context     # context parallelism over every visible GPU (2 or more; torchrun)
 #   bash benchmarks/gpu_acceptance.sh trl         # prepare_trainer auto in TRL's SFTTrainer: predicted vs measured
+#   bash benchmarks/gpu_acceptance.sh pareto      # memory against step time: remat's policies and auto beside every peer
 #
 # Several parts may be named in one call (`... policies loss`). On the GPU machine the wheels fetched by `wheels`
 # (in .whl/, which git ignores: carry it along) are installed into /tmp/site and put on PYTHONPATH with src/. Every
@@ -83,6 +84,8 @@ part() {
       keep_results benchmarks/results/estimate_cuda*.md benchmarks/results/estimate_cuda*.json ;;
     profile) "$PY" benchmarks/profile_seed_cuda.py; rc=$?
       keep_results benchmarks/results/profile_seed_*.md benchmarks/results/profile_seed_*.json ;;
+    pareto)  # written straight to $OUT when set: a run stopped at the call's limit keeps the rows it measured
+      "$PY" benchmarks/bench_pareto.py --out "${OUT:-benchmarks/results}" ${PARETO_ARGS:-}; rc=$? ;;
     trl) "$PY" benchmarks/bench_trl_auto.py --device cuda; rc=$?
       keep_results benchmarks/results/trl_auto_cuda.md benchmarks/results/trl_auto_cuda.json ;;
     context)  # one process per GPU: NCCL takes no two ranks on one device, so it needs a multi-GPU machine
@@ -94,7 +97,7 @@ part() {
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/bench_context_parallel.py; rc=$?
         keep_results benchmarks/results/context_parallel_*.md benchmarks/results/context_parallel_*.json
       fi ;;
-    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels cuda-tests suite policies loss backends selective estimate profile long context trl" >&2
+    *) echo "gpu_acceptance: unknown part '$name'; allowed: wheels cuda-tests suite policies loss backends selective estimate profile long context trl pareto" >&2
        return 2 ;;
   esac
   echo "== gpu_acceptance: $name ended with status $rc after $((SECONDS - start)) s"

@@ -66,7 +66,7 @@ COMMANDS: dict[str, str] = {
     # docs/gpu.md
     **{f"bash benchmarks/gpu_acceptance.sh {part}": _GPU
        for part in ("wheels", "cuda-tests", "suite", "policies", "loss", "backends", "selective", "estimate", "profile",
-                    "long")},
+                    "long", "pareto", "trl")},
     # docs/long-context.md
     "remat estimate --preset llama-3.2-1b --batch-size 1 --dtype bfloat16 --longest --fits 80GiB --compare "
     "--json out.json": CHECK,

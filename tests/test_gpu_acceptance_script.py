@@ -23,7 +23,7 @@ def test_without_a_part_it_prints_its_usage_and_fails(tmp_path: Path) -> None:
     done = _run(tmp_path=tmp_path)
     assert done.returncode == 2
     for part in ("wheels", "suite", "policies", "loss", "backends", "selective", "estimate", "profile", "long",
-                 "context", "trl"):
+                 "context", "trl", "pareto"):
         assert f"gpu_acceptance.sh {part}" in done.stdout
 
 
@@ -31,7 +31,7 @@ def test_an_unknown_part_is_named_with_the_allowed_ones(tmp_path: Path) -> None:
     done = _run("polices", tmp_path=tmp_path)
     assert done.returncode == 1
     assert ("unknown part 'polices'; allowed: wheels cuda-tests suite policies loss backends selective estimate "
-            "profile long context trl") in done.stderr
+            "profile long context trl pareto") in done.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="measures for real where CUDA is present")

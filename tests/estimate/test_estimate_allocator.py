@@ -146,7 +146,7 @@ def test_replay_steady_state_holds_the_optimizer_state_from_the_start() -> None:
                                   "optimizer step": 300 * MiB}
     assert result.breakdown == {"parameters": 100 * MiB, "buffers": 0, "gradients": 0,
                                 "optimizer_state": 200 * MiB, "activations": 50 * MiB, "temporaries": 0,
-                                "gradient_buckets": 0}
+                                "gradient_buckets": 0, "library_workspaces": 0}
 
 
 def test_replay_of_baseline_only_is_the_start_phase() -> None:

@@ -133,3 +133,21 @@ def test_tracker_ignores_dtensor_shape_inference() -> None:
         assert tracker.peak_bytes == 256 * 512 * 4
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_estimates_count_two_cublas_workspaces(monkeypatch) -> None:
+    """NOTE [ cuBLAS workspaces are allocated memory ]: torch's default on compute capability 9.0, one workspace per
+    thread that multiplies matrices (the loop's and autograd's); none on the CPU."""
+    from remat.estimate.simulate import cublas_workspace_bytes
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    if not torch.cuda.is_available():
+        assert cublas_workspace_bytes() == 32 * 2**20
+    default = cublas_workspace_bytes()
+    cuda = estimate_memory(TINY, SMALL_STEP, target="cuda")
+    assert cuda.breakdown["library_workspaces"] == 2 * default
+    assert estimate_memory(TINY, SMALL_STEP, target="cpu").breakdown["library_workspaces"] == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cublas_workspace_bytes() == 4096 * 1024 * 2 + 16 * 1024 * 8
+    smaller = estimate_memory(TINY, SMALL_STEP, target="cuda")
+    assert cuda.peak_bytes - smaller.peak_bytes == 2 * (default - cublas_workspace_bytes())

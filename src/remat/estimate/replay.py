@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.estimate.allocator import AllocatorKind, CachingAllocatorModel
-from remat.estimate.simulate import GRADIENT_BUCKETS, StorageEvent
+from remat.estimate.simulate import GRADIENT_BUCKETS, LIBRARY_WORKSPACES, StorageEvent
 from remat.memory.tracker import CATEGORIES
 
-ESTIMATE_CATEGORIES: tuple[str, ...] = (*CATEGORIES, GRADIENT_BUCKETS)
-"""The tracker's categories plus DDP's gradient buckets (see `remat.estimate.simulate`)."""
+ESTIMATE_CATEGORIES: tuple[str, ...] = (*CATEGORIES, GRADIENT_BUCKETS, LIBRARY_WORKSPACES)
+"""The tracker's categories plus DDP's gradient buckets and cuBLAS's workspaces (see `remat.estimate.simulate`)."""
 
 START_PHASE = "start"
 """Phase of a peak reached before the first mark (the baseline: parameters, and state moved to the start)."""

@@ -19,6 +19,7 @@ GIB: Final[int] = 2**30
 _COLORS: Final[dict[str, str]] = {
     "parameters": "#4C72B0", "buffers": "#8172B2", "gradients": "#DD8452", "optimizer_state": "#55A868",
     "activations": "#C44E52", "temporaries": "#937860", "gradient_buckets": "#DA8BC3",
+    "library_workspaces": "#8C8C8C",
 }
 
 
@@ -96,7 +97,8 @@ def _compare_header(unit: _Unit, capacity_bytes: int | None) -> tuple[str, ...]:
 
 
 def _compare_note(unit: _Unit) -> str:
-    return f"breakdown columns are {unit.binary} at the peak; params include buffers, grads include DDP buckets"
+    return (f"breakdown columns are {unit.binary} at the peak; params include buffers, grads include DDP buckets, "
+            "temporaries cuBLAS workspaces")
 
 
 def _compare_unit(estimates: Sequence[MemoryEstimate]) -> _Unit:
@@ -111,7 +113,7 @@ def _compare_rows(estimates: Sequence[MemoryEstimate], capacity_bytes: int | Non
         row = (e.name, unit.in_binary(e.peak_bytes), unit.in_decimal(e.peak_bytes),
                unit.in_binary(b["parameters"] + b["buffers"]), unit.in_binary(b["gradients"] + b["gradient_buckets"]),
                unit.in_binary(b["optimizer_state"]), unit.in_binary(b["activations"]),
-               unit.in_binary(b["temporaries"]), e.phase)
+               unit.in_binary(b["temporaries"] + b.get("library_workspaces", 0)), e.phase)
         if capacity_bytes is not None:
             row += ("yes" if e.fits(capacity_bytes) else "NO",)
         rows.append(row)
