@@ -180,9 +180,13 @@ def test_the_cuda_estimate_of_trls_step_takes_its_gpu_path() -> None:
                                      **trl_loss, **step)
     plain = remat.estimate_memory(config, loss="plain", **step)
     tile_buffer = 2 * 31 * 32768 * 4  # the shifted tokens x TRL's vocabulary chunk, float32
-    assert gpu_path.peak_bytes != cpu_path.peak_bytes
+    logits = 2 * 31 * 1536 * 4  # plain's peak holds its logits, their log-softmax and gradient; TRL's never does
+    # On the GPU path the backward folds tiles in place too (NOTE [ TRL's backward runs after the call ]): no float32
+    # tile temporaries, which the CPU path makes.
+    assert gpu_path.peak_bytes < cpu_path.peak_bytes
     for estimate in (gpu_path, cpu_path):
-        assert estimate.peak_bytes - plain.peak_bytes >= 0.9 * tile_buffer, (estimate.peak_bytes, plain.peak_bytes)
+        assert estimate.peak_bytes - plain.peak_bytes >= tile_buffer - 3 * logits, (estimate.peak_bytes,
+                                                                                     plain.peak_bytes)
 
 
 def test_auto_is_refused_where_sft_runs_a_second_forward(tmp_path: Path) -> None:

@@ -409,6 +409,9 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
         with fake:
             optimizer = build_optimizer(recipe, trainable, foreach=True if run.target == "cuda" else None)
         attention = CudaAttention() if run.target == "cuda" else contextlib.nullcontext()
+        # A loss whose GPU path the simulation stubs in keeps it for the backward too (NOTE [ TRL's backward runs
+        # after the call ] in remat/loss/trl_head.py).
+        scope = getattr(getattr(root, "loss_fn", None), "device_kernel_scope", contextlib.nullcontext)
         mode = _SimulationMode(cuda=run.target == "cuda", balanced_routing=balanced_routing)
         parts = root.decoder if root.use_hidden_states else net
         hooks = [parts.register_forward_hook(lambda *_: trace.mark("loss"))]
@@ -424,7 +427,7 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
             tracker.mark(label)
 
         try:
-            with fake, attention, tracker, mode:
+            with fake, attention, scope(), tracker, mode:
                 # On a GPU the recipe moves the step's micro-batches to the device before the step: they count. On
                 # the CPU they are the loader's tensors, which the tracker does not count. Two micro-batches give the
                 # peak of any number (the third and later ones repeat the second), so only those two are real
