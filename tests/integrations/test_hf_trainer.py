@@ -16,6 +16,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 import remat
 from remat.checkpointing import is_checkpointed
 from remat.errors import ConfigError
+from remat.integrations.hf_trainer import RematCallback
 
 ROWS, LENGTH, VOCAB = 16, 32, 256
 
@@ -348,3 +349,33 @@ def test_a_trainer_around_a_plain_torch_module_is_checkpointed_without_a_traceba
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
     plan = remat.prepare_trainer(trainer, "full")
     assert plan.wrapped_modules
+
+
+@pytest.mark.slow
+def test_torch_compile_compiles_each_wrapped_block_not_the_whole_model(reference: list[dict[str, Any]],
+                                                                        tmp_path: Path) -> None:
+    """NOTE [ The Trainer's torch_compile compiles blocks ]: each decoder block compiled after remat wrapped it
+    (aot_eager: the partitioned graph, run eagerly), the Trainer's whole-model compile switched off, the Trainer's
+    own losses, no recompile after the first step, and the step read as RSS on the CPU."""
+    from accelerate.utils import DynamoBackend
+
+    torch._dynamo.reset()
+    trainer = _trainer(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
+    remat.prepare_trainer(trainer, "full")
+    layers = trainer.model.model.layers
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
+    assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+    frames: list[int] = []
+
+    class Frames(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            frames.append(torch._dynamo.utils.counters["frames"]["ok"])
+
+    trainer.add_callback(Frames())
+    trainer.train()
+    assert frames[0] > 0 and len(set(frames[1:])) == 1 and frames[1] == frames[0]  # compiled once, in step 1
+    rows = _logged(trainer)
+    torch.testing.assert_close([r["loss"] for r in rows], [r["loss"] for r in reference], rtol=1e-5, atol=0)
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, RematCallback))
+    assert callback.memory_source == "rss" and all(r["peak_mem_gib"] > 0 for r in rows)
+    torch._dynamo.reset()

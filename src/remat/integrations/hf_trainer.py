@@ -25,7 +25,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from remat.checkpointing import CheckpointPlan, apply_activation_checkpointing, parse_policy
+from remat.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing, parse_policy
 from remat.checkpointing.hf_native import disable_hf_checkpointing, is_hf_checkpointing
 from remat.errors import ConfigError
 from remat.loss.trl_head import TRLFusedLMHead, trl_forward, trl_head_options
@@ -35,7 +35,7 @@ from remat.planner import ActivationPlan
 from remat.adaptation.adapter import PlanAdapter
 from remat.planner.api import planner_for_model
 from remat.planner.spelling import TRAINER
-from remat.recipes.build import lora_section
+from remat.recipes.build import compile_blocks, lora_section
 from remat.adaptation.trainer import FirstStepCheck, MicroBatchRetry, leaving_no_trace
 
 logger = logging.getLogger(__name__)
@@ -86,14 +86,51 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
         use_fused_loss(base)
     applied = apply_activation_checkpointing(model, planned if planned is not None else policy)
     plan: CheckpointPlan | ActivationPlan = planned if planned is not None else applied
-    callback = RematCallback(plan, log_memory=log_memory,
-                             first_step_check=FirstStepCheck(model, adapter) if adapter is not None else None)
+    compiled = _compile_blocks(trainer, model, applied.policy)
+    _install(trainer, model, plan, adapter, log_memory=log_memory, compiled=compiled)
+    return plan
+
+
+def _install(trainer: Any, model: nn.Module, plan: CheckpointPlan | ActivationPlan, adapter: PlanAdapter | None, *,
+             log_memory: bool, compiled: bool) -> None:
+    """The callback (the plan's line, the step's peak in the logs, the first-step check of ``auto``) and, under
+    ``auto``, the retry of a micro-batch that ran out of memory. Compiled blocks run eagerly under the exact
+    tracker's dispatch mode: on the CPU their step is read as RSS, which is no figure to hold a plan against."""
+    source = "rss" if compiled and trainer.args.device.type == "cpu" else "auto"
+    check = FirstStepCheck(model, adapter) if adapter is not None and source == "auto" else None
+    callback = RematCallback(plan, log_memory=log_memory, first_step_check=check, memory_source=source)
     trainer.add_callback(callback)
     if log_memory:
         _log_with_memory(trainer, callback)
     if adapter is not None:
         MicroBatchRetry(trainer, model, adapter).install()
-    return plan
+
+
+def _compile_blocks(trainer: Any, model: nn.Module, policy: CheckpointPolicy) -> bool:
+    """``TrainingArguments.torch_compile``: each decoder block compiled after remat wrapped it, instead of the
+    Trainer's whole model; whether blocks were compiled.
+
+    # NOTE [ The Trainer's torch_compile compiles blocks ]
+    # With ``torch_compile`` the Trainer has accelerate compile the whole model when training starts, around remat's
+    # wrapped blocks. remat compiles each decoder block after wrapping it instead, as its recipes' ``compile``
+    # section does and as TorchTitan does: the compiled region is the block with its checkpoint, the blocks share one
+    # compiled graph, and the loss and the optimizer stay eager. accelerate's dynamo plugin (the Trainer's
+    # ``accelerator.state.dynamo_plugin``, public) is set to ``no`` so that the model is not compiled a second time;
+    # ``torch_compile_backend`` and ``torch_compile_mode`` are the blocks'. One line says so.
+    """
+    args = trainer.args
+    if not getattr(args, "torch_compile", False):
+        return False
+    from accelerate.utils import DynamoBackend
+
+    backend = args.torch_compile_backend or "inductor"
+    count = compile_blocks(model, policy, backend=backend, mode=args.torch_compile_mode)
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None:
+        accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+    logger.warning("prepare_trainer: TrainingArguments.torch_compile: remat compiled each of the %d decoder blocks "
+                   "after wrapping it (backend %s), and the Trainer does not compile the whole model", count, backend)
+    return True
 
 
 def _refuse_unpreparable(trainer: Any, loss: str) -> None:
@@ -184,9 +221,10 @@ class RematCallback(TrainerCallback):
     the start, and holds ``auto``'s plan against the first step (`FirstStepCheck`)."""
 
     def __init__(self, plan: CheckpointPlan | ActivationPlan, *, log_memory: bool = True,
-                 first_step_check: FirstStepCheck | None = None) -> None:
+                 first_step_check: FirstStepCheck | None = None, memory_source: str = "auto") -> None:
         self.plan = plan
         self.log_memory = log_memory
+        self.memory_source = memory_source
         self.first_step_check = first_step_check
         self.meter: StepMemoryMeter | None = None
         self._step = contextlib.ExitStack()
@@ -198,7 +236,7 @@ class RematCallback(TrainerCallback):
         if state.is_world_process_zero:
             logger.info("remat: %s", self.plan.summary())
         if self.log_memory or self.first_step_check is not None:
-            self.meter = StepMemoryMeter()
+            self.meter = StepMemoryMeter(self.memory_source)  # type: ignore[arg-type]
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                       **kwargs: Any) -> None:

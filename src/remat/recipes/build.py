@@ -72,19 +72,27 @@ def build_training_module(model: nn.Module, cfg: RecipeConfig, setup: Distribute
 
 
 def _block_compiler(settings: CompileConfig) -> Callable[[nn.Module, CheckpointPolicy], None]:
-    """``torch.compile`` of each decoder block, after checkpointing wrapped it and before FSDP2 / DDP wrap the model
-    (TorchTitan's order): the compiled region is the block with its checkpoint, so the compiler sees what is saved
-    and what is recomputed. ``Module.compile`` keeps the module, its name and its parameters."""
+    """`compile_blocks` with the recipe's ``compile`` settings, as `DistributedSetup.parallelize` calls it."""
 
-    def compile_blocks(model: nn.Module, policy: CheckpointPolicy) -> None:
-        blocks = find_blocks(model, policy.block_pattern).blocks
-        for block in blocks:
-            block.module.compile(backend=settings.backend, mode=settings.mode, fullgraph=settings.fullgraph,
-                                 dynamic=settings.dynamic)
-        logger.info("torch.compile: %d blocks (backend %s%s)", len(blocks), settings.backend,
-                    f", mode {settings.mode}" if settings.mode else "")
+    def compile_each(model: nn.Module, policy: CheckpointPolicy) -> None:
+        compile_blocks(model, policy, backend=settings.backend, mode=settings.mode, fullgraph=settings.fullgraph,
+                       dynamic=settings.dynamic)
 
-    return compile_blocks
+    return compile_each
+
+
+def compile_blocks(model: nn.Module, policy: CheckpointPolicy, *, backend: str = "inductor", mode: str | None = None,
+                   fullgraph: bool = False, dynamic: bool | None = None) -> int:
+    """``torch.compile`` of each decoder block of ``model`` (the blocks ``policy`` finds), after checkpointing wrapped
+    it and before FSDP2 / DDP wrap the model (TorchTitan's order): the compiled region is the block with its
+    checkpoint, so the compiler sees what is saved and what is recomputed. ``Module.compile`` keeps the module, its
+    name and its parameters. Used by a recipe's ``compile`` section and by `remat.prepare_trainer` for
+    ``TrainingArguments.torch_compile``; returns the number of blocks compiled."""
+    blocks = find_blocks(model, policy.block_pattern).blocks
+    for block in blocks:
+        block.module.compile(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+    logger.info("torch.compile: %d blocks (backend %s%s)", len(blocks), backend, f", mode {mode}" if mode else "")
+    return len(blocks)
 
 
 def build_optimizer(cfg: RecipeConfig, params: Iterable[nn.Parameter], *,
