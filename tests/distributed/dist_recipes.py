@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
+
+# torchrun starts the workers as scripts of this folder: the shared helpers of tests/ are one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny import tiny_recipe as shared_tiny_recipe  # noqa: E402
 
 TINY_MODEL = {"preset": "tiny-llama",
               "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -38,31 +43,27 @@ def reference_key(case: str) -> tuple[bool, bool]:
 def tiny_recipe(output_dir: Path, *, strategy: str = "single", checkpointing: Any = False, fused: bool = False,
                 tied: bool = True, tp_size: int = 1, cp_size: int = 1, max_steps: int = 4, device: str = "cpu",
                 **sections: Any) -> dict[str, Any]:
-    """A recipe of 2-layer, hidden-64 Llama steps over global batches of 8 rows of 32 tokens (2 accumulation steps
-    per rank: local batch 2 on each of 2 data-parallel ranks, 4 in a single process or on 2 context-parallel ranks).
-    On the CPU (gloo) unless ``device`` says otherwise, GPUs or not."""
+    """The shared tiny recipe (`tiny.tiny_recipe`) as the distributed tests train it: 2-layer, hidden-64 Llama steps
+    over global batches of 8 rows of 32 tokens (2 accumulation steps per rank: local batch 2 on each of 2
+    data-parallel ranks, 4 in a single process or on 2 context-parallel ranks), validated every 2 steps, no
+    checkpoints. On the CPU (gloo) unless ``device`` says otherwise, GPUs or not. ``sections`` update this recipe's
+    sections one level deep, as the shared helper's do."""
     data_parallel = WORLD_SIZE // (tp_size * cp_size) if strategy != "single" else 1
     model = copy.deepcopy(TINY_MODEL)
     model["config"]["tie_word_embeddings"] = tied
     if fused:
         model["output_hidden_states"] = True
-    recipe: dict[str, Any] = {
-        "seed": 11,
-        "output_dir": str(output_dir),
-        "model": model,
-        "tokenizer": {"vocab_size": 512},
-        "dataset": {"seq_length": 32, "max_samples": 20},  # 20 documents: ~1700 rows, plenty for a few steps
-        "validation_dataset": {"split": "validation", "seq_length": 32},
-        "step_scheduler": {"global_batch_size": GLOBAL_BATCH, "local_batch_size": GLOBAL_BATCH // 2 // data_parallel,
-                           "max_steps": max_steps, "val_every_steps": 2, "val_batches": 3},
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
-        "lr_scheduler": {"warmup_steps": 1},
-        "loss_fn": {"_target_": "remat.loss.FusedLinearCrossEntropy" if fused else "remat.loss.MaskedCrossEntropy"},
-        "distributed": {"strategy": strategy, "activation_checkpointing": checkpointing, "tp_size": tp_size,
-                        "cp_size": cp_size, "device": device},
-        "logging": {"progress": "plain"},
-        "checkpoint": {"enabled": False},
-    }
+    recipe = shared_tiny_recipe(
+        seed=11, output_dir=str(output_dir), model=model,
+        dataset={"max_samples": 20},  # 20 documents: ~1700 rows, plenty for a few steps
+        validation_dataset={"split": "validation", "seq_length": 32},
+        step_scheduler={"global_batch_size": GLOBAL_BATCH, "local_batch_size": GLOBAL_BATCH // 2 // data_parallel,
+                        "max_steps": max_steps, "val_every_steps": 2, "val_batches": 3},
+        lr_scheduler={"warmup_steps": 1},
+        loss_fn={"_target_": "remat.loss.FusedLinearCrossEntropy" if fused else "remat.loss.MaskedCrossEntropy"},
+        distributed={"strategy": strategy, "activation_checkpointing": checkpointing, "tp_size": tp_size,
+                     "cp_size": cp_size, "device": device})
+    recipe["checkpoint"] = {"enabled": False}  # a test that enables checkpoints gets the default retention
     for name, value in sections.items():
         recipe[name] = {**recipe[name], **value} if isinstance(recipe.get(name), dict) else value
     return recipe
