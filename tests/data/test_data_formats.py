@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from remat.data import IGNORE_INDEX, DatasetConfig, build_dataset
+from remat.errors import ConfigError
 
 X = IGNORE_INDEX
 
@@ -94,6 +95,35 @@ def test_messages_train_only_on_assistant_turns(builtin_tok, write_jsonl) -> Non
     ]
     assert trained == ["A debugging check.<|eos|>", "A statement that does nothing.<|eos|>"]
     assert torch.equal(labels[target], ids[target])
+
+
+def test_a_datasets_own_chat_template_renders_its_conversations(builtin_tok, write_jsonl, tmp_path) -> None:
+    """``dataset.chat_template``: a template file (NeMo's builders take one) renders this dataset's rows in place of
+    the tokenizer's; the recipe's tokenizer keeps its own; a missing or empty file is one line naming the key."""
+    conversation = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello again"}]
+    path = write_jsonl([{"messages": conversation}])
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}", encoding="utf-8")
+    own = builtin_tok.chat_template
+    ds = build_dataset(DatasetConfig(path=str(path), seq_length=64, packing=False, chat_template=str(template)),
+                       builtin_tok)
+    row = ds[0]
+    n = int(row["attention_mask"].sum())
+    ids, labels = row["input_ids"][:n], row["labels"][:n]
+    # (transformers renders with trim_blocks: the newline after a block tag goes; the tokenizer adds its BOS)
+    assert builtin_tok.decode(ids).endswith("[user] Hi there[assistant] Hello again<|eos|>")
+    trained = builtin_tok.decode(ids[labels != X])  # the assistant turn (a token glued across its start is not)
+    assert trained.endswith("llo again<|eos|>") and "Hi" not in trained and "[" not in trained
+    assert builtin_tok.chat_template == own
+    for text, message in (("", ": '.*' is empty"), (None, " '.*' cannot be read")):
+        missing = tmp_path / "none.jinja"
+        if text is not None:
+            missing.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^dataset.chat_template{message}"):
+            build_dataset(DatasetConfig(path=str(path), chat_template=str(missing)), builtin_tok)
+        missing.unlink(missing_ok=True)
 
 
 def test_messages_need_a_chat_template(word_tok, write_jsonl) -> None:

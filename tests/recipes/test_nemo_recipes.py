@@ -104,15 +104,18 @@ def test_nemo_s_dataset_builders_map_to_templates_and_what_remat_lacks_is_listed
         "use_chat_template": False}
     assert any(line.startswith("validation_dataset._target_ ColumnMappedTextInstructionDataset -> validation_dataset."
                                "template columns (path_or_dataset_id -> path; split 'train' dropped") for line in said)
-    data["dataset"].update(chat_template="{{ messages }}", streaming=True)
+    data["validation_dataset"]["chat_template"] = "templates/chat.jinja"  # the builder's own template: a file
+    out, said = from_nemo(data)
+    assert out["validation_dataset"]["chat_template"] == "templates/chat.jinja"
+    assert any("chat_template kept" in line for line in said if line.startswith("validation_dataset._target_"))
+    data["dataset"].update(streaming=True)
     data["validation_dataset"].update(answer_only_loss_mask=False)
     data["packed_sequence"] = {"packed_sequence_size": "1k"}
     with pytest.raises(ConfigError) as info:
         from_nemo(data)
     lines = str(info.value).splitlines()[1:]
     assert [line.split(":")[0] for line in lines] == [
-        "dataset.chat_template", "dataset.streaming", "validation_dataset.answer_only_loss_mask",
-        "packed_sequence.packed_sequence_size"], lines
+        "dataset.streaming", "validation_dataset.answer_only_loss_mask", "packed_sequence.packed_sequence_size"], lines
 
 
 def test_every_problem_of_a_nemo_recipe_is_said_in_one_round(tmp_path: Path) -> None:
@@ -180,8 +183,11 @@ def test_torch_dtype_auto_is_the_checkpoint_s_dtype(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"distributed": {"pp_size": 2}}, "distributed.pp_size: 2 is not supported by remat"),
-    ({"loss_fn": {"_target_": "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy"}},
-     "loss_fn._target_: 'nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy' has no remat "
+    ({"loss_fn": {"_target_": "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy",
+                  "reduction": "mean"}},
+     "loss_fn: reduction='mean' of TEParallelCrossEntropy; remat reads it at NeMo's defaults only"),
+    ({"loss_fn": {"_target_": "nemo_automodel.components.loss.chunked_ce.ChunkedCrossEntropy"}},
+     "loss_fn._target_: 'nemo_automodel.components.loss.chunked_ce.ChunkedCrossEntropy' has no remat "
      "counterpart; allowed: remat.loss.MaskedCrossEntropy, remat.loss.FusedLinearCrossEntropy"),
     ({"compile": {"enabled": True, "cache_size": 8}}, "compile.cache_size: not a torch.compile option remat passes"),
     ({"model": {"torch_dtype": "fp8"}}, "model.torch_dtype: got 'fp8'; allowed:"),
@@ -307,3 +313,18 @@ def test_remat_estimate_of_the_published_recipe_reads_only_the_cached_config(tmp
     assert "builtin tokenizer" not in proc.stderr and "Couldn't instantiate" not in proc.stderr
     assert all(row["settings"]["vocab_size"] in (None, 8192) for row in rows)
     assert not (tmp_path / "home" / "datasets").exists()
+
+
+def test_transformer_engines_cross_entropy_at_nemos_defaults_is_remats_masked_loss_and_an_unknown_loss_said_once(
+        ) -> None:
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["loss_fn"] = {"_target_": "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy",
+                       "ignore_index": -100}
+    out, said = from_nemo(data, data_needed=False)
+    assert out["loss_fn"] == {"_target_": "remat.loss.MaskedCrossEntropy"}
+    assert any(line.startswith("loss_fn._target_ nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy"
+                               " -> remat.loss.MaskedCrossEntropy (the same loss") for line in said)
+    data["loss_fn"] = {"_target_": "nemo_automodel.components.loss.chunked_ce.ChunkedCrossEntropy"}
+    with pytest.raises(ConfigError) as info:
+        from_nemo(data, data_needed=False)
+    assert sum(line.startswith("loss_fn._target_") for line in str(info.value).splitlines()) == 1

@@ -64,6 +64,9 @@ class DatasetConfig(StrictModel):
     template: RowTemplate | None = None
     column_mapping: dict[str, str] | None = None
     use_chat_template: bool | None = None
+    chat_template: str | None = None
+    """A file holding a Jinja chat template that renders this dataset's conversations in place of the tokenizer's
+    (NeMo's builders take one as ``chat_template``). A template is data: transformers renders it in its sandbox."""
     split: str | None = None
     text_field: str = "text"
     prompt_field: str = "prompt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 
@@ -9,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from remat._files import read_regular_bytes
 from remat.data.config import DatasetConfig
 from remat.data.formats import detect_format, encode_rows
 from remat.data.packing import IGNORE_INDEX, Rows, pack_documents, pad_documents, rows_with_targets
@@ -93,6 +95,26 @@ def _chat(cfg: DatasetConfig, tokenizer: PreTrainedTokenizerBase, key_prefix: st
     return has_template if cfg.use_chat_template is None else cfg.use_chat_template
 
 
+CHAT_TEMPLATE_LIMIT = 1 << 20
+"""The largest chat template file read (the published ones are a few KiB)."""
+
+
+def with_chat_template(tokenizer: PreTrainedTokenizerBase, path: str, *, key: str) -> PreTrainedTokenizerBase:
+    """A shallow copy of ``tokenizer`` whose chat template is the one in the file ``path`` (the recipe's tokenizer,
+    which checkpoints save, keeps its own); `ConfigError` naming ``key`` for a file that is missing, not a regular
+    file, too large, not UTF-8 or empty."""
+    try:
+        text = read_regular_bytes(path, key, limit=CHAT_TEMPLATE_LIMIT).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{key}: {path!r} is not UTF-8 text ({err}); allowed: a file holding a Jinja chat "
+                          "template") from None
+    if not text.strip():
+        raise ConfigError(f"{key}: {path!r} is empty; allowed: a file holding a Jinja chat template")
+    copied = copy.copy(tokenizer)
+    copied.chat_template = text
+    return copied
+
+
 def build_dataset(
     cfg: DatasetConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -110,6 +132,8 @@ def build_dataset(
             f"{key_prefix}.format: the builtin corpus (no {key_prefix}.path) is plain text; got {cfg.format!r}, "
             "allowed 'auto' or 'text'"
         )
+    if cfg.chat_template is not None:
+        tokenizer = with_chat_template(tokenizer, cfg.chat_template, key=f"{key_prefix}.chat_template")
     raw_rows = iter_rows(cfg, default_split=default_split, key_prefix=key_prefix)
     if cfg.template is not None:
         raw_rows, templated = apply_template(raw_rows, cfg, chat=_chat(cfg, tokenizer, key_prefix),

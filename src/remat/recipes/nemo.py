@@ -11,6 +11,7 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
 - ``tokenizer`` (``NeMoAutoTokenizer.from_pretrained`` or transformers' ``AutoTokenizer``): the model's own
   tokenizer (dropped) or ``tokenizer.path``;
 - ``loss_fn._target_``: NeMo's ``MaskedCrossEntropy`` and ``FusedLinearCrossEntropy`` are remat's of the same names;
+  Transformer Engine's ``TEParallelCrossEntropy`` at NeMo's defaults is remat's ``MaskedCrossEntropy``;
 - ``distributed``: ``_target_`` (``FSDP2Manager``, ``DDPManager``) is the strategy, ``dp_size: none`` is null,
   ``pp_size`` / ``ep_size`` 1 and ``sequence_parallel: false`` are dropped (anything else is refused);
   ``distributed_config.activation_checkpointing`` is the policy;
@@ -56,6 +57,7 @@ _LOSSES: Final[dict[str, str]] = {
     "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy": "remat.loss.MaskedCrossEntropy",
     "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy": "remat.loss.FusedLinearCrossEntropy",
 }
+_TE_CROSS_ENTROPY: Final[str] = "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy"
 _MODEL_TARGETS: Final[tuple[str, ...]] = ("nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
                                           "nemo_automodel.NeMoAutoModelForCausalLM.from_config",
                                           "nemo_automodel._transformers.NeMoAutoModelForCausalLM.from_pretrained")
@@ -108,8 +110,9 @@ def from_nemo(data: Mapping[str, Any], *, data_needed: bool = True,
         _data_set_aside(out, said)
     for step in (_top_level, _model, _loss, _distributed, _data, _checkpoint, _schedules, _peft, _extras):
         step(out, said, refused)
+    named = {line.split(":", 1)[0] for line in refused}  # a key refused above is not said twice
     leftover = [f"{key}: {target!r}" for key, target in _targets_with_keys(out)
-                if isinstance(target, str) and target.startswith(NEMO_PREFIX)]
+                if isinstance(target, str) and target.startswith(NEMO_PREFIX) and key not in named]
     refused += [f"{item} is NeMo AutoModel's own class, which remat has no counterpart for; remove it or use a remat "
                 "target (see docs/recipes.md, 'Coming from NeMo AutoModel')" for item in leftover]
     if refused and check is not None:
@@ -290,9 +293,27 @@ def _loss(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     if target in _LOSSES:
         loss["_target_"] = _LOSSES[target]
         said.append(f"loss_fn._target_ {target} -> {_LOSSES[target]}")
+    elif target == _TE_CROSS_ENTROPY:
+        _te_cross_entropy(out, loss, said, refused)
     else:
         refused.append(f"loss_fn._target_: {target!r} has no remat counterpart; allowed: "
                        f"{', '.join(_LOSSES.values())}")
+
+
+def _te_cross_entropy(out: dict[str, Any], loss: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    """Transformer Engine's cross-entropy at NeMo's defaults (``ignore_index: -100``, ``reduction: sum``, divided by
+    the step's label count) is the loss of remat's ``MaskedCrossEntropy``: mapped, with its kernel said to be
+    remat's. Any other argument (a ``tp_group``, another reduction) is refused by name."""
+    others = {key: value for key, value in loss.items() if key != "_target_"
+              and (key, value) not in (("ignore_index", -100), ("reduction", "sum"))}
+    if others:
+        refused.append(f"loss_fn: {', '.join(f'{key}={value!r}' for key, value in others.items())} of "
+                       "TEParallelCrossEntropy; remat reads it at NeMo's defaults only (ignore_index -100, "
+                       "reduction sum over the step's labelled tokens): remove them")
+        return
+    out["loss_fn"] = {"_target_": "remat.loss.MaskedCrossEntropy"}
+    said.append(f"loss_fn._target_ {_TE_CROSS_ENTROPY} -> remat.loss.MaskedCrossEntropy (the same loss: the sum "
+                "over the labelled tokens divided by their count; remat's kernel in place of Transformer Engine's)")
 
 
 def _distributed(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
@@ -457,7 +478,8 @@ def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], ref
     else:
         mapped["split"] = split
     for name, to in (("limit_dataset_samples", "max_samples"), ("num_samples_limit", "max_samples"),
-                     ("seq_length", "seq_length"), ("column_mapping", "column_mapping"), ("name", "name")):
+                     ("seq_length", "seq_length"), ("column_mapping", "column_mapping"), ("name", "name"),
+                     ("chat_template", "chat_template")):
         if args.get(name) is not None:
             mapped[to] = args.pop(name)
             notes.append(f"{name} kept" if name == to else f"{name} -> {to}")
@@ -492,9 +514,6 @@ def _builder_options(key: str, args: dict[str, Any], model: Any, notes: list[str
     _builder_tokenizer(key, args.pop("tokenizer", None), model, notes, refused)
     if args.pop("shuffle_seed", None) is not None:
         notes.append("shuffle_seed dropped (remat shuffles with the recipe's seed)")
-    if args.pop("chat_template", None) is not None:
-        refused.append(f"{key}.chat_template: a template of the builder's own; remat renders chats with the "
-                       "tokenizer's chat template (tokenizer_config.json); allowed: remove the key")
 
 
 def _builder_tokenizer(key: str, tokenizer: Any, model: Any, notes: list[str], refused: list[str]) -> None:
