@@ -328,3 +328,22 @@ def test_transformer_engines_cross_entropy_at_nemos_defaults_is_remats_masked_lo
     with pytest.raises(ConfigError) as info:
         from_nemo(data, data_needed=False)
     assert sum(line.startswith("loss_fn._target_") for line in str(info.value).splitlines()) == 1
+
+
+def test_nemos_tokenizer_flags_for_bos_and_eos_are_what_remat_does_and_their_refusal_is_said_once() -> None:
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["tokenizer"] = {"_target_": "nemo_automodel.NeMoAutoTokenizer.from_pretrained",
+                         "pretrained_model_name_or_path": data["model"]["pretrained_model_name_or_path"],
+                         "add_bos_token": True, "add_eos_token": True}
+    out, said = from_nemo(data, data_needed=False)
+    assert "tokenizer" not in out
+    assert "tokenizer: add_bos_token, add_eos_token true dropped (remat puts BOS in front of every document and EOS " \
+           "at its end)" in said
+    data["tokenizer"].update(add_eos_token=False, padding_side="left")
+    with pytest.raises(ConfigError) as info:
+        from_nemo(data, data_needed=False)
+    lines = [line for line in str(info.value).splitlines() if line.startswith("tokenizer")]
+    assert lines == ["tokenizer.add_eos_token: False; remat puts BOS in front of every document and EOS at its end; "
+                     "allowed: true (or remove the key)",
+                     "tokenizer: padding_side of NeMoAutoTokenizer have no remat counterpart; allowed: "
+                     "pretrained_model_name_or_path (remat loads that tokenizer as it is)"], lines

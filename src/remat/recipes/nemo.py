@@ -9,7 +9,7 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
   other keys as they are; ``torch_dtype`` is ``model.dtype`` (``bf16`` -> ``bfloat16``); ``backend`` (NeMo's kernels)
   is dropped: remat runs transformers' attention;
 - ``tokenizer`` (``NeMoAutoTokenizer.from_pretrained`` or transformers' ``AutoTokenizer``): the model's own
-  tokenizer (dropped) or ``tokenizer.path``;
+  tokenizer (dropped) or ``tokenizer.path``; ``add_bos_token`` / ``add_eos_token: true`` are what remat does;
 - ``loss_fn._target_``: NeMo's ``MaskedCrossEntropy`` and ``FusedLinearCrossEntropy`` are remat's of the same names;
   Transformer Engine's ``TEParallelCrossEntropy`` at NeMo's defaults is remat's ``MaskedCrossEntropy``;
 - ``distributed``: ``_target_`` (``FSDP2Manager``, ``DDPManager``) is the strategy, ``dp_size: none`` is null,
@@ -271,11 +271,23 @@ def _tokenizer(out: dict[str, Any], model: Mapping[str, Any], said: list[str], r
     if not isinstance(target, str) or not target.rsplit(".", 2)[-2:][0].endswith("AutoTokenizer"):
         return
     source = section.get("pretrained_model_name_or_path")
-    extra = sorted(set(section) - {"_target_", "pretrained_model_name_or_path", "trust_remote_code"})
+    # remat frames every document with BOS and EOS (remat.data.formats.add_document_specials): NeMo's flags that ask
+    # for them are what remat does; asking for a document without them is not.
+    specials = {name: section[name] for name in ("add_bos_token", "add_eos_token") if name in section}
+    extra = sorted(set(section) - {"_target_", "pretrained_model_name_or_path", "trust_remote_code", *specials})
+    for name, value in specials.items():
+        if value is not True:
+            refused.append(f"tokenizer.{name}: {value!r}; remat puts BOS in front of every document and EOS at its "
+                           "end; allowed: true (or remove the key)")
     if extra:
         refused.append(f"tokenizer: {', '.join(extra)} of {target.rsplit('.', 2)[-2]} have no remat counterpart; "
                        "allowed: pretrained_model_name_or_path (remat loads that tokenizer as it is)")
+    if extra or any(value is not True for value in specials.values()):
+        section.pop("_target_", None)  # refused above: not said again as NeMo's own class
         return
+    if specials:
+        said.append(f"tokenizer: {', '.join(specials)} true dropped (remat puts BOS in front of every document and "
+                    "EOS at its end)")
     if source in (None, model.get("pretrained_model_name_or_path")):
         del out["tokenizer"]
         said.append(f"tokenizer ({target.rsplit('.', 2)[-2]} of the model): dropped (remat loads the model's own "
