@@ -84,7 +84,8 @@ part() {
       keep_results benchmarks/results/estimate_cuda*.md benchmarks/results/estimate_cuda*.json ;;
     profile) "$PY" benchmarks/profile_seed_cuda.py; rc=$?
       keep_results benchmarks/results/profile_seed_*.md benchmarks/results/profile_seed_*.json ;;
-    pareto)  # written straight to $OUT when set: a run stopped at the call's limit keeps the rows it measured
+    pareto)  # written straight to $OUT when set: a run stopped at the call's limit keeps the rows it measured;
+      # PARETO_ARGS: more options, split on spaces (row labels with spaces: run bench_pareto.py itself)
       "$PY" benchmarks/bench_pareto.py --out "${OUT:-benchmarks/results}" ${PARETO_ARGS:-}; rc=$? ;;
     trl) "$PY" benchmarks/bench_trl_auto.py --device cuda; rc=$?
       keep_results benchmarks/results/trl_auto_cuda.md benchmarks/results/trl_auto_cuda.json ;;

@@ -335,3 +335,16 @@ def test_a_peft_lora_model_is_planned_with_its_adapters_not_as_a_full_fine_tune(
     section = {"method": "lora", "r": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     assert lora.peak_bytes == plan_activation_checkpointing(model(), peft=section, **step).peak_bytes
     assert lora.peak_bytes < 0.6 * full.peak_bytes
+
+
+def test_a_plan_of_a_recipe_that_compiles_its_blocks_says_it_planned_eager_blocks() -> None:
+    from tiny import tiny_recipe
+
+    from remat.planner.api import plan_recipe
+    from remat.planner.planner import COMPILED_BLOCKS_NOTE
+
+    eager = validate_recipe(tiny_recipe())
+    compiled = validate_recipe(tiny_recipe(compile={"enabled": True}))
+    assert COMPILED_BLOCKS_NOTE not in plan_recipe(eager, budget="1GiB", target="cpu").notes
+    plan = plan_recipe(compiled, budget="1GiB", target="cpu")
+    assert COMPILED_BLOCKS_NOTE in plan.notes and COMPILED_BLOCKS_NOTE in plan.summary() + str(plan)
