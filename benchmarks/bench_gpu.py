@@ -169,19 +169,7 @@ def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: 
     try:
         step = build_step(args.preset, settings, device)
         result.plan = _plan(step, what)
-        for _ in range(args.warmup):
-            step.run()
-        _synchronize(device)
-        start = time.perf_counter()
-        result.peak_bytes = _peak(step, device)
-        if args.steps == 0:  # the measured step's own time is the step time
-            result.step_seconds.append(time.perf_counter() - start)
-        for _ in range(args.steps):
-            _synchronize(device)
-            start = time.perf_counter()
-            step.run()
-            _synchronize(device)
-            result.step_seconds.append(time.perf_counter() - start)
+        result.peak_bytes, result.step_seconds = run_timed(step, device, args.warmup, args.steps)
         if loss == args.losses[0] and _profiled(label, args.profile):
             result.profile = _profile_step(step, device)
     except (torch.cuda.OutOfMemoryError, CheckpointingError, ConfigError) as err:
@@ -193,6 +181,24 @@ def measure(label: str, what: Any, loss: str, args: argparse.Namespace, device: 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
+
+
+def run_timed(step: RealStep, device: torch.device, warmup: int, steps: int) -> tuple[int, list[float]]:
+    """``warmup`` untimed steps, one step whose peak is measured (`_peak`), then ``steps`` timed steps, each between
+    synchronisations; returns the peak and the step times (with ``steps`` 0, the measured step's own time)."""
+    for _ in range(warmup):
+        step.run()
+    _synchronize(device)
+    start = time.perf_counter()
+    peak = _peak(step, device)
+    seconds = [time.perf_counter() - start] if steps == 0 else []
+    for _ in range(steps):
+        _synchronize(device)
+        start = time.perf_counter()
+        step.run()
+        _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return peak, seconds
 
 
 def _profiled(label: str, wanted: Sequence[str]) -> bool:

@@ -56,7 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark modules, however this is started
 from bench_estimate_cuda import RealStep, build_step  # noqa: E402
-from bench_gpu import (Result, _fmt, _peak, _synchronize, enable_torch_selective, report_header,  # noqa: E402
+from bench_gpu import (Result, _fmt, enable_torch_selective, report_header, run_timed,  # noqa: E402
                        add_step_arguments, measuring_device, run_meta, shape_defaults)
 from bench_policies import hf_checkpointing  # noqa: E402
 
@@ -225,15 +225,7 @@ def measure(spec: Spec, args: argparse.Namespace, device: torch.device) -> Row:
                 step, words = spec.apply(step)
             row.plan = words + ("; each block compiled (inductor)" if spec.compile is not None else "") + (
                 f", activation_memory_budget {spec.memory_budget}" if spec.memory_budget is not None else "")
-            for _ in range(args.warmup):
-                step.run()
-            row.peak_bytes = _peak(step, device)
-            for _ in range(args.steps):
-                _synchronize(device)
-                start = time.perf_counter()
-                step.run()
-                _synchronize(device)
-                row.step_seconds.append(time.perf_counter() - start)
+            row.peak_bytes, row.step_seconds = run_timed(step, device, args.warmup, args.steps)
             if spec.count:
                 with count_ops() as counter:
                     step.run()
