@@ -17,6 +17,7 @@ import remat
 from remat.checkpointing import is_checkpointed
 from remat.errors import ConfigError
 from remat.integrations.hf_trainer import RematCallback
+from remat.planner.planner import COMPILED_BLOCKS_NOTE
 
 ROWS, LENGTH, VOCAB = 16, 32, 256
 
@@ -378,4 +379,8 @@ def test_torch_compile_compiles_each_wrapped_block_not_the_whole_model(reference
     torch.testing.assert_close([r["loss"] for r in rows], [r["loss"] for r in reference], rtol=1e-5, atol=0)
     callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, RematCallback))
     assert callback.memory_source == "rss" and all(r["peak_mem_gib"] > 0 for r in rows)
+    torch._dynamo.reset()
+    planned = remat.prepare_trainer(_trainer(tmp_path / "auto", torch_compile=True, torch_compile_backend="aot_eager"),
+                                    "auto", memory_budget="1GiB", target="cpu")
+    assert COMPILED_BLOCKS_NOTE in planned.notes  # the plan says it planned eager blocks, as a recipe's does
     torch._dynamo.reset()

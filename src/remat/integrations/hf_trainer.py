@@ -14,6 +14,7 @@ ranks included, is the Trainer's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import types
 import warnings
@@ -34,6 +35,7 @@ from remat.memory import StepMemoryMeter
 from remat.planner import ActivationPlan
 from remat.adaptation.adapter import PlanAdapter
 from remat.planner.api import planner_for_model
+from remat.planner.planner import COMPILED_BLOCKS_NOTE
 from remat.planner.spelling import TRAINER
 from remat.recipes.build import compile_blocks, lora_section
 from remat.adaptation.trainer import FirstStepCheck, MicroBatchRetry, leaving_no_trace
@@ -87,6 +89,8 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     applied = apply_activation_checkpointing(model, planned if planned is not None else policy)
     plan: CheckpointPlan | ActivationPlan = planned if planned is not None else applied
     compiled = _compile_blocks(trainer, model, applied.policy)
+    if compiled and isinstance(plan, ActivationPlan):  # planned eager, as a recipe that compiles is
+        plan = dataclasses.replace(plan, notes=(*plan.notes, COMPILED_BLOCKS_NOTE))
     _install(trainer, model, plan, adapter, log_memory=log_memory, compiled=compiled)
     return plan
 
