@@ -14,7 +14,7 @@ from remat.data import IGNORE_INDEX
 from remat.distributed import DistributedSetup, clip_grad_norm
 from remat.distributed.env import ProcessEnv, under_torchrun
 from remat.distributed.grad_norm import total_grad_norm
-from remat.distributed.layout import validate_settings
+from remat.distributed.config import DistributedConfig
 from remat.distributed.tensor_parallel import TP_PLANS, check_divisible, tp_plan_for
 from remat.errors import ConfigError
 from remat.recipes.finetune import sharded_eval_batches
@@ -23,13 +23,13 @@ TORCHRUN_ENV = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_
 
 
 @pytest.mark.parametrize(("settings", "world_size", "message"), [
-    ({"strategy": "zero3"}, 1, "distributed.strategy: got 'zero3'; allowed: single, ddp, fsdp2"),
+    ({"strategy": "zero3"}, 1, "distributed.strategy: got 'zero3'; allowed: 'single', 'ddp' or 'fsdp2'"),
     ({"strategy": "ddp", "tp_size": 2}, 2, "distributed.tp_size: 2 needs strategy 'fsdp2' (got 'ddp')"),
     ({"strategy": "ddp", "mixed_precision": "bfloat16"}, 2,
      "distributed.mixed_precision: 'bfloat16' needs strategy 'fsdp2' (got 'ddp'); allowed with 'ddp': null"),
     ({"strategy": "fsdp2", "mixed_precision": "fp8"}, 2,
-     "distributed.mixed_precision: got 'fp8'; allowed: null, bfloat16, float16, float32"),
-    ({"strategy": "fsdp2", "dp_size": 0}, 2, "distributed.dp_size: got 0; allowed: a positive integer"),
+     "distributed.mixed_precision: got 'fp8'; allowed: 'bfloat16', 'float16' or 'float32'"),
+    ({"strategy": "fsdp2", "dp_size": 0}, 2, "distributed.dp_size: Input should be greater than 0 (got 0)"),
     ({"strategy": "ddp", "cp_size": 2, "tp_size": 2}, 4, "distributed.tp_size: 2 needs strategy 'fsdp2' (got 'ddp')"),
     ({"strategy": "single", "cp_size": 2}, 1,
      "distributed.cp_size: 2 needs strategy 'ddp' or 'fsdp2' (strategy 'single' runs one process)"),
@@ -44,17 +44,25 @@ TORCHRUN_ENV = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_
     ({"strategy": "single"}, 2, "'single' runs one process, but the launch has 2"),
     ({"strategy": "fsdp2", "activation_checkpointing": "sometimes"}, 2, "distributed.activation_checkpointing"),
 ])
-def test_invalid_settings_name_the_key(settings: dict[str, Any], world_size: int, message: str) -> None:
+def test_invalid_settings_name_the_key(settings: dict[str, Any], world_size: int, message: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as info:
-        validate_settings(**settings, world_size=world_size)
+        DistributedConfig.from_settings(**settings).data_parallel_size(world_size)
+    assert message in str(info.value)
+    for name, value in {**TORCHRUN_ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+                        "LOCAL_WORLD_SIZE": str(world_size)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:  # the Python edge checks the same rules, in the same words
+        DistributedSetup.build(**settings, device="cpu")
     assert message in str(info.value)
 
 
 def test_data_parallel_size_is_derived_from_the_world_size() -> None:
-    assert validate_settings("fsdp2", world_size=8) == 8
-    assert validate_settings("fsdp2", tp_size=2, world_size=8) == 4
-    assert validate_settings("ddp", dp_size=2, world_size=2) == 2
-    assert validate_settings("single", world_size=1) == 1
+    def dp(world_size: int, **settings: Any) -> int:
+        return DistributedConfig.from_settings(**settings).data_parallel_size(world_size)
+
+    assert dp(8, strategy="fsdp2") == 8 and dp(8, strategy="fsdp2", tp_size=2) == 4
+    assert dp(2, strategy="ddp", dp_size=2) == 2 and dp(1, strategy="single") == 1
 
 
 def test_process_env_reads_torchrun_variables() -> None:

@@ -65,8 +65,7 @@ def _real_peaks(settings: StepSettings, *, host_copies: bool = False,
     exactly. ``host_copies``: the recipe's offload context copies CPU tensors to host buffers, counted as host."""
     recipe = settings.to_recipe(model or _model(settings))
     torch.manual_seed(0)
-    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
-                                   device="cpu")
+    setup = DistributedSetup.from_config(recipe.distributed, device="cpu")
     net = build_recipe_model(recipe, vocab_size=None)
     root = build_training_module(net, recipe, setup)
     params = list(net.parameters())

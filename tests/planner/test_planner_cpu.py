@@ -63,8 +63,7 @@ def _recipe(planner: Planner, policy: CheckpointPolicy) -> RecipeConfig:
 
 def _build(recipe: RecipeConfig) -> tuple[Any, list[torch.nn.Parameter], DistributedSetup, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    setup = DistributedSetup.build(activation_checkpointing=recipe.distributed.activation_checkpointing,
-                                   device="cpu")
+    setup = DistributedSetup.from_config(recipe.distributed, device="cpu")
     net = build_recipe_model(recipe, vocab_size=None)
     root = build_training_module(net, recipe, setup)
     batch = make_batch(recipe, StepSettings(target="cpu").run(), net.config.vocab_size)

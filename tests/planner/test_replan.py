@@ -23,7 +23,7 @@ from remat.estimate.api import MemoryEstimate
 from remat.planner import Planner
 from remat.planner.api import planner_for_recipe
 from remat.adaptation.adapter import PlanAdapter, adapter_for_recipe, forward_backward_peak
-from remat.recipes.config import AUTO_KEYS
+from remat.distributed.config import AUTO_KEYS
 from remat.recipes.finetune import FinetuneRecipe, RunResult
 from remat.recipes.loader import validate_recipe
 from remat.adaptation.retry import Overshoot, size

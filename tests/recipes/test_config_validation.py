@@ -173,7 +173,7 @@ def test_every_distributed_key_is_an_argument_of_the_setup() -> None:
     import inspect
 
     from remat.distributed import DistributedSetup
-    from remat.recipes.config import AUTO_KEYS, AutoCheckpointing, DistributedConfig
+    from remat.distributed.config import AUTO_KEYS, AutoCheckpointing, DistributedConfig
 
     assert set(DistributedConfig.model_fields) <= set(inspect.signature(DistributedSetup.build).parameters)
     assert set(AUTO_KEYS) == set(AutoCheckpointing.model_fields) - {"mode", "plan"}

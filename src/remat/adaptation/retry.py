@@ -48,7 +48,7 @@ from remat.memory import MemoryReading, StepMemoryMeter, max_over_ranks
 from remat.adaptation.oom_notes import (OutOfMemoryNote, clear_notes, pending_note, restart_generation,
                                         restarts_left, write_note)
 from remat.adaptation.relax_watch import RelaxWatch, Stretch
-from remat.recipes.config import AutoCheckpointing
+from remat.distributed.config import AutoCheckpointing
 from remat.recipes.run_safety.run_lock import on_rank0
 from remat.recipes.step import UPDATE_PHASE
 from remat.training_state.layout import capture_rng_state, restore_rng_state

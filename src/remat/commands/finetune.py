@@ -181,7 +181,7 @@ def _check_before_start(data: dict[str, Any], options: Any) -> None:
 
     from remat.data.config import DatasetConfig
     from remat.data.sources import check_paths_exist
-    from remat.distributed.layout import validate_settings
+    from remat.distributed.config import DistributedConfig, asks_for_auto
 
     for key in ("dataset", "validation_dataset"):
         try:
@@ -193,8 +193,6 @@ def _check_before_start(data: dict[str, Any], options: Any) -> None:
     world_size = options.num_processes()
     dist = data.get("distributed", {})
     if isinstance(dist, dict) and dist.get("device") == "cpu":
-        from remat.recipes.config import asks_for_auto
-
         setting = dist.get("activation_checkpointing")
         if asks_for_auto(setting):
             from remat.checkpointing.budget import parse_budget
@@ -204,7 +202,7 @@ def _check_before_start(data: dict[str, Any], options: Any) -> None:
                 parse_budget(None, device_bytes=None, key="distributed.activation_checkpointing.memory_budget")
     if options.requested and world_size is not None and "LOCAL_RANK" not in os.environ and isinstance(dist, dict):
         sizes = {name: dist[name] for name in ("strategy", "dp_size", "tp_size", "cp_size") if name in dist}
-        validate_settings(**sizes, world_size=world_size)
+        DistributedConfig.from_settings(**sizes).data_parallel_size(world_size)
 
 
 def restarts_for_replanning(options: Any, cfg: Any) -> Any:

@@ -1,45 +1,18 @@
-"""The checks of a ``distributed`` section against the number of processes, without torch: the launcher runs them
-before any worker starts (and before torch loads), `DistributedSetup.build` again in each process."""
+"""The rules of a ``distributed`` section, without torch: between its keys (`check_strategy_rules`, run when a
+`remat.distributed.config.DistributedConfig` is validated) and against the number of processes (`world_layout`: the
+launcher runs it before any worker starts, `DistributedSetup.from_config` again in each process)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from remat.checkpointing.policy import parse_policy
-from remat.distributed.choices import DEVICE_CHOICES, MIXED_PRECISION, STRATEGIES
 from remat.errors import ConfigError
-
-
-def validate_settings(strategy: str = "single", activation_checkpointing: Any = False, dp_size: int | None = None,
-                      tp_size: int = 1, cp_size: int = 1, mixed_precision: str | None = None,
-                      cpu_offload: bool = False, fsdp_reduce_every_micro_batch: bool = True,
-                      device: Any = "auto", *, world_size: int) -> int:
-    """Check the settings of ``build`` (the recipe's ``distributed`` section) against ``world_size`` processes
-    (ConfigError naming the key); return the data-parallel size. ``build`` calls it, and so does the launcher
-    before any worker starts."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"distributed.strategy: got {strategy!r}; allowed: {', '.join(STRATEGIES)}")
-    parse_policy(activation_checkpointing, key="distributed.activation_checkpointing")
-    for name, value in (("dp_size", dp_size), ("tp_size", tp_size), ("cp_size", cp_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"distributed.{name}: got {value!r}; allowed: a positive integer")
-    for name, flag in (("cpu_offload", cpu_offload), ("fsdp_reduce_every_micro_batch", fsdp_reduce_every_micro_batch)):
-        if not isinstance(flag, bool):
-            raise ConfigError(f"distributed.{name}: got {flag!r}; allowed: true or false")
-    if not (device is None or type(device).__name__ == "device" or device in DEVICE_CHOICES
-            or (isinstance(device, str) and device.startswith(("cuda:", "cpu:")))):
-        raise ConfigError(f"distributed.device: got {device!r}; allowed: {', '.join(DEVICE_CHOICES)}")
-    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
-        raise ConfigError(f"distributed.mixed_precision: got {mixed_precision!r}; allowed: null, "
-                          f"{', '.join(MIXED_PRECISION)}")
-    check_strategy_rules(strategy, dp_size, tp_size, cp_size, mixed_precision, cpu_offload)
-    return world_layout(strategy, dp_size, tp_size, cp_size, world_size=world_size)
 
 
 def check_strategy_rules(strategy: str, dp_size: int | None, tp_size: int, cp_size: int, mixed_precision: str | None,
                          cpu_offload: bool) -> None:
-    """The rules between the keys of a ``distributed`` section that hold whatever the number of processes (the
-    recipe's schema checks them when it is validated; `DistributedSetup.build` for Python callers)."""
+    """The rules between the keys of a ``distributed`` section that hold whatever the number of processes
+    (`DistributedConfig` checks them when it is validated)."""
     if strategy == "single":
         for name, value in (("dp_size", dp_size or 1), ("tp_size", tp_size), ("cp_size", cp_size)):
             if value != 1:

@@ -41,10 +41,10 @@ from remat.checkpointing.plan import planned_policy
 from remat.distributed import context_parallel
 from remat.distributed.choices import Strategy
 from remat.distributed.context_parallel import ContextShards
-from remat.distributed.layout import validate_settings
+from remat.distributed.choices import DEVICE_CHOICES
+from remat.distributed.config import DistributedConfig
 from remat.distributed.env import ProcessEnv, init_process_group, resolve_device
-from remat.distributed.rendezvous import (INIT_TIMEOUT_S, WATCHDOG_GRACE_S, check_timeouts, setup_deadline,
-                                          setup_failure)
+from remat.distributed.rendezvous import INIT_TIMEOUT_S, WATCHDOG_GRACE_S, setup_deadline, setup_failure
 from remat.errors import CheckpointingError, ConfigError
 
 if TYPE_CHECKING:
@@ -102,51 +102,61 @@ class DistributedSetup:
         mixed_precision: str | None = None,
         cpu_offload: bool = False,
         *,
-        planned: bool = False,
         fsdp_reduce_every_micro_batch: bool = True,
         device: str | torch.device | None = "auto",
         init_timeout_s: float = INIT_TIMEOUT_S,
         timeout_s: float | None = None,
     ) -> DistributedSetup:
-        """Validate the settings against the environment (torchrun's ``WORLD_SIZE``), join the process group and
-        lay out the device mesh.
+        """`from_config` with the keys of a recipe's ``distributed`` section as keyword arguments (each documented
+        on `DistributedConfig`), validated as a recipe's are; ``device`` may also be a ``torch.device`` or
+        ``"cuda:N"``. ``activation_checkpointing`` is a policy (``auto`` is planned by `remat.planner` first)."""
+        named = device if device in DEVICE_CHOICES else "auto"
+        config = DistributedConfig.from_settings(
+            strategy=strategy, activation_checkpointing=activation_checkpointing, dp_size=dp_size, tp_size=tp_size,
+            cp_size=cp_size, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+            fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch, device=named,
+            init_timeout_s=init_timeout_s, timeout_s=timeout_s)
+        return cls.from_config(config, device=device)
 
-        ``mixed_precision`` (FSDP2 only): the dtype the sharded parameters are gathered and computed in
-        ("bfloat16", "float16"), gradients being reduced in float32; None keeps the parameters' dtype.
-        ``cpu_offload`` (FSDP2 only): keep the parameter shards, gradients and optimizer state in host memory.
-        ``fsdp_reduce_every_micro_batch``: FSDP2 reduce-scatters the gradients after every micro-batch (only sharded
-        gradients are kept); False defers it to the last micro-batch of a step (less communication, but the
-        unsharded gradients are held in between). DDP always synchronises on the last micro-batch only.
-        ``device``: ``auto`` (CUDA device ``LOCAL_RANK`` when there is a GPU per local rank, else the CPU), ``cpu``,
-        ``cuda`` (an error when there are fewer GPUs than local ranks), or a ``torch.device``. The process group's
-        backend follows it: NCCL on CUDA, gloo on the CPU.
-        ``init_timeout_s``: joining the process group and building the mesh must finish within this many seconds
-        (a `DistributedSetupError` naming the ranks, or a watchdog ending the process shortly after);
-        ``timeout_s``: the collectives' limit afterwards (None: torch's default, 30 min gloo / 10 min NCCL).
-        ``planned``: ``activation_checkpointing`` is the planner's choice (a recipe's ``auto``).
-        """
-        check_timeouts(init_timeout_s, timeout_s)
+    @classmethod
+    def from_config(cls, config: DistributedConfig, *, device: str | torch.device | None = None) -> DistributedSetup:
+        """Check ``config`` (a validated ``distributed`` section) against the launch (torchrun's ``WORLD_SIZE``),
+        join the process group (NCCL on CUDA, gloo on the CPU; within ``init_timeout_s``, else a
+        `DistributedSetupError` naming the ranks) and lay out the device mesh. ``device`` overrides
+        ``config.device`` (e.g. ``torch.device("cuda", 1)``). A policy ``auto`` planned is applied without the
+        generic advice the planner already gave in its notes."""
         env = ProcessEnv.from_environ()
-        dp = validate_settings(strategy, activation_checkpointing, dp_size, tp_size, cp_size, mixed_precision,
-                               cpu_offload, fsdp_reduce_every_micro_batch, device, world_size=env.world_size)
-        resolved = resolve_device(device, env)
-        setup = cls(strategy=strategy, activation_checkpointing=activation_checkpointing, dp_size=dp,
-                    tp_size=tp_size, cp_size=cp_size, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                    fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch, planned=planned, rank=env.rank,
-                    local_rank=env.local_rank, world_size=env.world_size, device=resolved)
-        if strategy != "single":
-            late = setup_failure(env.rank, env.world_size, init_timeout_s, "still waiting (setup watchdog)")
-            with setup_deadline(init_timeout_s + WATCHDOG_GRACE_S, late):
-                setup.owns_process_group = init_process_group(env, resolved, init_timeout_s=init_timeout_s,
-                                                              timeout_s=timeout_s)
-                setup.mesh = device_mesh(resolved, dp, tp_size, cp_size)
-                setup.batch_mesh = setup.mesh["dp"]
-                if cp_size > 1:
-                    # One dimension over dp x cp for DDP and FSDP2 (as TorchTitan's `dp_shard_cp`); made on every rank.
-                    setup.batch_mesh = setup.mesh["dp", "cp"]._flatten("dp_cp")
-                    cp = setup.mesh["cp"]
-                    setup.context = ContextShards(cp.get_group(), cp_size, int(cp.get_local_rank()))
+        setup = cls.of_config(config, dp_size=config.data_parallel_size(env.world_size), world_size=env.world_size,
+                              device=resolve_device(config.device if device is None else device, env))
+        setup.rank, setup.local_rank = env.rank, env.local_rank
+        if config.strategy != "single":
+            setup._join(env, config.init_timeout_s, config.timeout_s)
         return setup
+
+    @classmethod
+    def of_config(cls, config: DistributedConfig, *, dp_size: int, world_size: int,
+                  device: torch.device) -> DistributedSetup:
+        """The setup ``config`` describes on ``world_size`` processes, before any process group is joined (the
+        memory estimate's simulated rank fills in its own mesh)."""
+        return cls(strategy=config.strategy, activation_checkpointing=config.policy, planned=config.auto is not None,
+                   dp_size=dp_size, tp_size=config.tp_size, cp_size=config.cp_size,
+                   mixed_precision=config.mixed_precision, cpu_offload=config.cpu_offload,
+                   fsdp_reduce_every_micro_batch=config.fsdp_reduce_every_micro_batch, world_size=world_size,
+                   device=device)
+
+    def _join(self, env: ProcessEnv, init_timeout_s: float, timeout_s: float | None) -> None:
+        """Join the process group and build the mesh, within ``init_timeout_s`` (a watchdog past it)."""
+        late = setup_failure(env.rank, env.world_size, init_timeout_s, "still waiting (setup watchdog)")
+        with setup_deadline(init_timeout_s + WATCHDOG_GRACE_S, late):
+            self.owns_process_group = init_process_group(env, self.device, init_timeout_s=init_timeout_s,
+                                                         timeout_s=timeout_s)
+            self.mesh = device_mesh(self.device, self.dp_size, self.tp_size, self.cp_size)
+            self.batch_mesh = self.mesh["dp"]
+            if self.cp_size > 1:
+                # One dimension over dp x cp for DDP and FSDP2 (as TorchTitan's `dp_shard_cp`); made on every rank.
+                self.batch_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+                cp = self.mesh["cp"]
+                self.context = ContextShards(cp.get_group(), self.cp_size, int(cp.get_local_rank()))
 
     # ------------------------------------------------------------------------------------------------ layout
 

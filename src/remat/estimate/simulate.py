@@ -576,13 +576,9 @@ def simulation_setup(recipe: RecipeConfig, world_size: int, *, mesh: Any = None,
     ``cp_size`` > 1 the rank is the first of its context-parallel group, over the mesh's ``cp`` dimension; with
     ``tp_size`` > 1 the first of its tensor-parallel group, over the mesh's ``tp`` dimension."""
     d = recipe.distributed
-    setup = DistributedSetup(strategy="single" if d.strategy == "ddp" else d.strategy,
-                             activation_checkpointing=d.policy, planned=d.auto is not None,
-                             dp_size=world_size // (d.cp_size * d.tp_size), tp_size=d.tp_size, cp_size=d.cp_size,
-                             world_size=world_size,
-                             mixed_precision=d.mixed_precision,
-                             fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch,
-                             device=device or torch.device("cpu"))
+    setup = DistributedSetup.of_config(d, dp_size=world_size // (d.cp_size * d.tp_size), world_size=world_size,
+                                       device=device or torch.device("cpu"))
+    setup.strategy = "single" if d.strategy == "ddp" else d.strategy
     if d.cp_size > 1 and mesh is not None:
         from remat.distributed.context_parallel import ContextShards
 

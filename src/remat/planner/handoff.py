@@ -22,7 +22,8 @@ from remat._files import read_regular_bytes, write_atomic
 from remat.errors import ConfigError
 from remat.estimate.choices import LOSS_TARGETS
 from remat.planner.api import default_target, plan_recipe_auto, recipe_budget
-from remat.recipes.config import AutoCheckpointing, LossConfig, RecipeConfig
+from remat.distributed.config import AutoCheckpointing
+from remat.recipes.config import LossConfig, RecipeConfig
 from remat.recipes.loader import with_loss
 from remat.recipes.run_safety.output_paths import PLAN_FILE
 from remat.units import format_bytes

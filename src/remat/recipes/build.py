@@ -33,15 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 def distributed_setup(cfg: RecipeConfig) -> DistributedSetup:
-    """`DistributedSetup.build` from the recipe's ``distributed`` section: the policy in force (pinned, or the plan
-    ``auto`` chose: ``planned``)."""
-    d = cfg.distributed
-    return DistributedSetup.build(
-        strategy=d.strategy, device=d.device, activation_checkpointing=d.policy, planned=d.auto is not None,
-        dp_size=d.dp_size,
-        tp_size=d.tp_size, cp_size=d.cp_size, mixed_precision=d.mixed_precision, cpu_offload=d.cpu_offload,
-        fsdp_reduce_every_micro_batch=d.fsdp_reduce_every_micro_batch, init_timeout_s=d.init_timeout_s,
-        timeout_s=d.timeout_s)
+    """The run's `DistributedSetup`, from the recipe's validated ``distributed`` section."""
+    return DistributedSetup.from_config(cfg.distributed)
 
 
 def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:

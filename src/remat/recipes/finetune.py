@@ -177,7 +177,6 @@ class FinetuneRecipe:
         self.cfg = cfg = _steps_of_epochs(cfg, len(self.train_data))
         # `self.model` stays the transformers (or peft) model, for saving; `compute_loss` is what the step calls.
         self.model = build_recipe_model(cfg, vocab_size=len(self.tokenizer), device=str(self.dist.device))
-        self.dist.planned = self.replanner is not None  # `auto`: the planner already gave its notes on the plan
         with quiet_log("remat.checkpointing.apply"):  # the setup report prints the plan's table, once
             self.compute_loss = build_training_module(self.model, cfg, self.dist)
         self.optimizer = build_optimizer(cfg, (p for p in self.model.parameters() if p.requires_grad))

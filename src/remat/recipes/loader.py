@@ -6,7 +6,6 @@ Values are parsed as YAML scalars/flow collections, so ``true``, ``3e-4``, ``[1,
 
 from __future__ import annotations
 
-import difflib
 import logging
 import re
 from collections.abc import Hashable, Mapping, Sequence
@@ -17,9 +16,10 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from remat._files import printable, read_regular_bytes, shown
+from remat._files import read_regular_bytes, shown
 from remat._logs import warn_once
-from remat.errors import ConfigError, RematError
+from remat._validation import format_validation_error, model_of
+from remat.errors import ConfigError
 from remat.loss.contract import loss_input
 from remat.recipes.config import LossConfig, RecipeConfig, TargetConfig
 from remat.recipes.nemo import from_nemo, is_nemo_recipe
@@ -365,64 +365,6 @@ def _check_schedule(cfg: RecipeConfig) -> None:
 # Validation error formatting
 
 
-def format_validation_error(err: ValidationError, root: type[BaseModel]) -> str:
-    """One line per problem: ``dotted.key: what is wrong (got X); allowed: ...; did you mean ...?``."""
-    lines = []
-    seen: set[str] = set()
-    for item in err.errors():
-        loc = [str(p) for p in item["loc"] if not _is_union_tag(p)]
-        key = printable(".".join(loc)) or "<recipe>"  # a key may hold escape sequences: shown, never sent raw
-        line = _describe(item, loc, key, root)
-        if line not in seen:
-            seen.add(line)
-            lines.append(line)
-    return "invalid recipe:\n  " + "\n  ".join(lines)
-
-
-def _is_union_tag(part: Any) -> bool:
-    # pydantic adds the union member's type name (e.g. 'bool', 'str', 'dict[str,any]') to the location; a key the
-    # user wrote (which may hold '[' too) is not of that form.
-    return isinstance(part, str) and (part in {"bool", "str", "int", "float", "list", "dict"}
-                                      or _UNION_TAG.match(part) is not None)
-
-
-_UNION_TAG = re.compile(r"^(?:[a-z]+|literal|function-[a-z]+)\[.*\]$", re.DOTALL)
-
-
-def _describe(item: Mapping[str, Any], loc: list[str], key: str, root: type[BaseModel]) -> str:
-    kind = item["type"]
-    given = item.get("input")
-    if kind == "extra_forbidden":
-        allowed = _allowed_keys(root, loc[:-1])
-        close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
-        hint = f" (did you mean {'.'.join([*loc[:-1], close[0]])!r}?)" if close else ""
-        return f"{key}: unknown key{hint}; allowed keys here: {', '.join(allowed)}"
-    if kind == "missing":
-        return f"{key}: required key is missing"
-    if kind == "string_type" and isinstance(given, (int, float)) and not isinstance(given, bool):
-        return f"{key}: expected text, got the number {given!r}; write it in quotes in YAML: {key.split('.')[-1]}: '{given}'"
-    if kind == "literal_error":
-        expected = item.get("ctx", {}).get("expected", "")
-        return f"{key}: got {given!r}; allowed: {expected}"
-    msg = item["msg"]
-    if kind == "value_error":
-        msg = msg.removeprefix("Value error, ")
-    if isinstance(item.get("ctx", {}).get("error"), RematError):
-        return str(item["ctx"]["error"])
-    return f"{key}: {msg} (got {given!r})" if not isinstance(given, dict) else f"{key}: {msg}"
-
-
-def _allowed_keys(root: type[BaseModel], loc: list[str]) -> list[str]:
-    model: Any = root
-    for part in loc:
-        fields = getattr(model, "model_fields", None)
-        if not fields or part not in fields:
-            return []
-        model = _model_of(fields[part].annotation)
-    fields = getattr(model, "model_fields", {})
-    return [(f.alias or name) for name, f in fields.items()]
-
-
 def _is_text_field(root: type[BaseModel], parts: list[str]) -> bool:
     """Whether the field at the dotted path ``parts`` accepts text only (str or a path, maybe None; no numbers)."""
     model: Any = root
@@ -430,7 +372,7 @@ def _is_text_field(root: type[BaseModel], parts: list[str]) -> bool:
         fields = getattr(model, "model_fields", None)
         if not fields or part not in fields:
             return False
-        model = _model_of(fields[part].annotation)
+        model = model_of(fields[part].annotation)
     info = getattr(model, "model_fields", {}).get(parts[-1])
     if info is None:
         return False
@@ -440,14 +382,3 @@ def _is_text_field(root: type[BaseModel], parts: list[str]) -> bool:
     else:  # list[str], dict[...] and the like are not text
         kinds = {annotation} if get_origin(annotation) is None else {list}
     return bool(kinds) and kinds <= {str, Path}
-
-
-def _model_of(annotation: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if get_origin(annotation) is not None or getattr(annotation, "__args__", None):
-        for arg in get_args(annotation):
-            found = _model_of(arg)
-            if found is not None:
-                return found
-    return None
