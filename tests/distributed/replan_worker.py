@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_recipes import TINY_MODEL, leave_process_group
+from dist_recipes import TINY_MODEL, leave_process_group, shared_tiny_recipe
 
 from remat.checkpointing import CheckpointPolicy
 from remat.adaptation.adapter import adapter_for_recipe
@@ -25,16 +25,12 @@ from remat.recipes.loader import validate_recipe
 
 
 def recipe(out: Path, strategy: str, budget: int | str) -> dict[str, Any]:
-    return {
-        "seed": 5, "output_dir": str(out), "model": TINY_MODEL, "tokenizer": {"vocab_size": 512},
-        "dataset": {"seq_length": 128, "max_samples": 20},
-        "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 3},
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
-        "lr_scheduler": {"warmup_steps": 1, "decay": "constant"},
-        "checkpoint": {"enabled": False}, "logging": {"progress": "plain", "memory": "tracked", "metrics_file": None},
-        "distributed": {"strategy": strategy, "device": "cpu",  # what auto planned for the budget: none
-                        "activation_checkpointing": {"mode": "auto", "plan": "none", "memory_budget": budget}},
-    }
+    return shared_tiny_recipe(
+        seed=5, output_dir=str(out), model=TINY_MODEL, dataset={"seq_length": 128, "max_samples": 20},
+        step_scheduler={"global_batch_size": 8, "max_steps": 3}, lr_scheduler={"warmup_steps": 1, "decay": "constant"},
+        checkpoint={"enabled": False}, logging={"memory": "tracked", "metrics_file": None},
+        distributed={"strategy": strategy,  # what auto planned for the budget: none
+                     "activation_checkpointing": {"mode": "auto", "plan": "none", "memory_budget": budget}})
 
 
 def outcomes(result: Any) -> list[list[float]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny import tiny_recipe
 
 from remat.checkpointing import CheckpointPolicy
 from remat.recipes.loader import load_recipe
@@ -24,14 +25,10 @@ SMALL = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_siz
 
 def _recipe(tmp_path: Path, strategy: str) -> Path:
     path = tmp_path / "auto.yaml"
-    path.write_text(yaml.safe_dump({
-        "output_dir": str(tmp_path / "run"), "model": SMALL, "tokenizer": {"vocab_size": 512},
-        "dataset": {"seq_length": 128}, "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2,
-                                                           "max_steps": 2},
-        "checkpoint": {"enabled": False},
-        "logging": {"progress": "plain", "metrics_file": "m.jsonl", "memory": "tracked"},
-        "distributed": {"device": "cpu", "strategy": strategy, "activation_checkpointing": "auto"},
-    }))
+    path.write_text(yaml.safe_dump(tiny_recipe(
+        output_dir=str(tmp_path / "run"), model=SMALL, dataset={"seq_length": 128}, step_scheduler={"max_steps": 2},
+        checkpoint={"enabled": False}, logging={"metrics_file": "m.jsonl", "memory": "tracked"},
+        distributed={"strategy": strategy, "activation_checkpointing": "auto"})))
     return path
 
 

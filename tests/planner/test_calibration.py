@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from tiny import tiny_recipe
 
 from remat.errors import ConfigError
 from remat.planner.calibration import (
@@ -104,13 +105,10 @@ def test_a_fifo_or_a_huge_file_as_the_calibration_is_one_line_not_a_hang(tmp_pat
 
 
 def _recipe(tmp_path: Path, **distributed: Any) -> Path:
-    recipe = {
-        "output_dir": str(tmp_path / "run"), "model": SMALL, "tokenizer": {"vocab_size": 512},
-        "dataset": {"seq_length": 64}, "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2,
-                                                          "max_steps": 2},
-        "checkpoint": {"enabled": False}, "logging": {"metrics_file": None},
-        "distributed": {"device": "cpu", "activation_checkpointing": "auto", **distributed},
-    }
+    recipe = tiny_recipe(output_dir=str(tmp_path / "run"), model=SMALL, dataset={"seq_length": 64},
+                         step_scheduler={"global_batch_size": 2, "max_steps": 2}, checkpoint={"enabled": False},
+                         logging={"metrics_file": None},
+                         distributed={"activation_checkpointing": "auto", **distributed})
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny import tiny_recipe
 
 from remat.checkpointing import CheckpointPolicy
 from remat.errors import ConfigError, MemoryBudgetError
@@ -39,15 +40,11 @@ UNDER_PREDICTION = 0.7
 
 
 def recipe(tmp_path: Path, *, policy: Any = "none", max_steps: int = 3, **extra: Any) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        "seed": 3, "output_dir": str(tmp_path / "run"), "model": copy.deepcopy(MODEL),
-        "tokenizer": {"vocab_size": 512}, "dataset": {"seq_length": 64},
-        "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2, "max_steps": max_steps},
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
-        "lr_scheduler": {"warmup_steps": 1, "decay": "constant"},  # the same schedule for runs of 2, 3 and 4 steps
-        "checkpoint": {"enabled": False}, "logging": {"progress": "plain", "memory": "tracked"},
-        "distributed": {"device": "cpu", "activation_checkpointing": policy},
-    }
+    data = tiny_recipe(seed=3, output_dir=str(tmp_path / "run"), model=MODEL, dataset={"seq_length": 64},
+                       step_scheduler={"max_steps": max_steps},
+                       lr_scheduler={"warmup_steps": 1, "decay": "constant"},  # one schedule for 2, 3 and 4 steps
+                       checkpoint={"enabled": False}, logging={"memory": "tracked"},
+                       distributed={"activation_checkpointing": policy})
     for key, value in extra.items():
         data[key] = {**data.get(key, {}), **value}
     planner_keys = {key: data["distributed"].pop(key) for key in list(data["distributed"]) if key in AUTO_KEYS}

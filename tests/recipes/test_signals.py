@@ -12,15 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny import tiny_recipe
 
-RECIPE = {
-    "model": {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                                 "num_attention_heads": 4, "num_key_value_heads": 2}},
-    "tokenizer": {"vocab_size": 512},
-    "dataset": {"seq_length": 32},
-    "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2, "max_steps": 100000},
-    "logging": {"progress": "plain"},
-}
+RECIPE = tiny_recipe(step_scheduler={"global_batch_size": 2, "max_steps": 100000})
 
 
 @pytest.mark.slow
