@@ -120,7 +120,7 @@ def test_checkpointing_is_applied_once(checkpoint_dir: Path) -> None:
     (lambda: remat.AutoModelForCausalLM.from_pretrained("./missing/model"),
      "model.pretrained_model_name_or_path: './missing/model' is neither a local directory nor a Hub id"),
     (lambda: remat.AutoModelForCausalLM.from_pretrained("tiny-llama", dtype="int8"),
-     "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'int8')"),
+     "dtype: Input should be 'float32', 'bfloat16', 'float16' or 'auto' (got 'int8')"),
     (lambda: remat.AutoModelForCausalLM.from_pretrained("tiny-llama", activation_checkpointing="sometimes"),
      "activation_checkpointing: got 'sometimes'; allowed:"),
     (lambda: remat.AutoModelForCausalLM.from_pretrained(
@@ -132,7 +132,7 @@ def test_checkpointing_is_applied_once(checkpoint_dir: Path) -> None:
     (lambda: remat.AutoModelForCausalLM.from_config(AutoConfig.for_model("vit")),
      "config: ViTConfig has no causal-LM class"),
     (lambda: remat.AutoModelForCausalLM.from_config(remat.ModelConfig(preset="tiny-llama"), dtype="int8"),
-     "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'int8')"),
+     "dtype: Input should be 'float32', 'bfloat16', 'float16' or 'auto' (got 'int8')"),
     (lambda: remat.AutoModelForCausalLM.from_pretrained("tiny-llama", num_hiden_layers=2),
      "model.config.num_hiden_layers: LlamaConfig ('llama') has no such field"),
     (lambda: remat.AutoModelForCausalLM.from_config(["llama"]),  # type: ignore[arg-type]

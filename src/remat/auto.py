@@ -104,7 +104,8 @@ class AutoModelForCausalLM:
             cfg = _model_config(fields, config={"model_type": config.model_type})  # dtype & co. checked as usual
             config = copy.deepcopy(config)  # use_cache is switched off on the model's copy, not the caller's
             config.use_cache = False
-            model = model_from_config(config, dtype=getattr(torch, cfg.dtype), device=device,
+            dtype = (getattr(config, "dtype", None) or torch.float32) if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+            model = model_from_config(config, dtype=dtype, device=device,
                                       attn_implementation=cfg.attn_implementation,
                                       trust_remote_code=cfg.trust_remote_code)
         elif isinstance(config, ModelConfig):

@@ -45,6 +45,22 @@ def test_dtype_and_training_flags_are_applied() -> None:
     assert bf16.config._attn_implementation == "eager"
 
 
+def test_dtype_auto_is_the_dtype_the_checkpoint_or_config_names(tmp_path: Path) -> None:
+    """``model.dtype: auto`` as transformers' ``dtype="auto"``: a saved checkpoint's config.json dtype, a config
+    mapping's own, float32 where none is named (a preset); the estimate of that model is its float32 or bfloat16 one."""
+    from remat import estimate_memory
+
+    assert next(build_model(ModelConfig(preset="tiny-llama", dtype="auto")).parameters()).dtype == torch.float32
+    named = ModelConfig(config={**TINY_LLAMA, "torch_dtype": "bfloat16"}, dtype="auto")
+    assert next(build_model(named).parameters()).dtype == torch.bfloat16
+    build_model(_tiny(), vocab_size=64).to(torch.bfloat16).save_pretrained(tmp_path / "saved")
+    saved = ModelConfig(pretrained_model_name_or_path=str(tmp_path / "saved"), dtype="auto")
+    assert {p.dtype for p in build_model(saved).parameters()} == {torch.bfloat16}
+    settings = {"target": "cpu", "batch_size": 1, "seq_length": 16}
+    assert estimate_memory(saved, **settings).peak_bytes == estimate_memory(
+        saved.model_copy(update={"dtype": "bfloat16"}), **settings).peak_bytes
+
+
 def test_small_preset_takes_the_tokenizer_vocabulary() -> None:
     model = build_model(ModelConfig(preset="tiny-gemma3n"), vocab_size=300)
     assert model.config.vocab_size == 300 and model.config.vocab_size_per_layer_input == 300

@@ -68,7 +68,7 @@ CASES = [
       "consumes logits", "allowed: false, or leave the key out"]),
     ("model-missing", with_("model", DELETE), ["model: required key is missing"]),
     ("model-no-source", with_("model", {"dtype": "float32"}), ["model"]),
-    ("model-dtype", with_("model.dtype", "float8"), ["model.dtype", "'float8'", "'float32', 'bfloat16' or 'float16'"]),
+    ("model-dtype", with_("model.dtype", "float8"), ["model.dtype", "'float8'", "'float32', 'bfloat16', 'float16' or 'auto'"]),
     ("model-unknown-key", with_("model.presets", "tiny-llama"), ["model.presets: unknown key", "did you mean 'model.preset'"]),
     ("seq-length", with_("dataset.seq_length", 1), ["dataset.seq_length", "greater than or equal to 2"]),
     ("dataset-format", with_("dataset.format", "csv"), ["dataset.format", "'csv'", "'prompt_completion'"]),

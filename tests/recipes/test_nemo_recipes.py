@@ -20,6 +20,23 @@ from remat.recipes.nemo import from_nemo, is_nemo_recipe
 HERE = Path(__file__).resolve().parent / "nemo"
 
 
+@pytest.fixture(autouse=True)
+def cached_llama_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """meta-llama/Llama-3.2-1B's config.json in a Hub cache of its own, read offline: NeMo's default dtype (auto) is
+    the one that file names. The processes a test starts get the same cache through its environment."""
+    import huggingface_hub.constants
+    from hub_datasets import cache_model_config, llama_3_2_1b_config
+
+    hub = tmp_path_factory.getbasetemp() / "nemo-hub"
+    if not hub.exists():
+        cache_model_config(hub, "meta-llama/Llama-3.2-1B", llama_3_2_1b_config())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return hub
+
+
 def test_a_nemo_recipe_reads_as_remat_keys(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     caplog.set_level("INFO", logger="remat.recipes.loader")
     cfg = load_recipe(HERE / "llama_packed_fused.yaml", ["--output_dir", str(tmp_path)])
@@ -59,6 +76,41 @@ def test_the_published_squad_recipe_reads_as_written(caplog: pytest.LogCaptureFi
     assert ("NeMo AutoModel recipe: validation_dataset._target_ make_squad_dataset -> validation_dataset.template squad "
             "(dataset_name -> path; limit_dataset_samples -> max_samples)") in (
         caplog.text)
+    # no torch_dtype: NeMo's from_pretrained default (auto) is the checkpoint's dtype, as NeMo would train it
+    assert cfg.model.dtype == "auto"
+    assert ("NeMo AutoModel recipe: model.torch_dtype auto (NeMo's default) -> model.dtype auto (the dtype the "
+            "checkpoint's config.json names)") in caplog.text
+
+
+def test_nemo_s_default_dtype_is_read_when_the_model_is_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """NeMo's default dtype is remat's ``model.dtype: auto``: the recipe reads without the checkpoint; the dtype is
+    the cached config.json's when the model is needed, one line naming what to download or write where it is not
+    cached; a model swapped for a preset has float32 (no checkpoint names one), an explicit model.dtype wins; NeMo's
+    from_config is bfloat16."""
+    import huggingface_hub.constants
+
+    from remat.models.config import with_concrete_dtype
+
+    caplog.set_level("INFO", logger="remat.models.config")
+    assert with_concrete_dtype(load_recipe(HERE / "llama_squad.yaml").model).dtype == "bfloat16"
+    assert "model.dtype: auto -> bfloat16 (meta-llama/Llama-3.2-1B's config.json)" in caplog.text
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    model = load_recipe(HERE / "llama_squad.yaml").model
+    with pytest.raises(ConfigError) as info:
+        with_concrete_dtype(model)
+    assert str(info.value).startswith("model.dtype: cannot read config.json for the Hub id 'meta-llama/Llama-3.2-1B' "
+                                      "(HF_HUB_OFFLINE is set and 'meta-llama/Llama-3.2-1B' is not in the Hugging "
+                                      "Face cache") and "\n" not in str(info.value)
+    swapped = ["--model.pretrained_model_name_or_path", "null", "--model.preset", "tiny-llama"]
+    assert with_concrete_dtype(load_recipe(HERE / "llama_squad.yaml", swapped).model).dtype == "float32"
+    assert load_recipe(HERE / "llama_squad.yaml", ["--model.dtype", "float16"]).model.dtype == "float16"
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["model"] = {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config",
+                     "config": {"model_type": "llama", "hidden_size": 64}}
+    out, said = from_nemo(data)
+    assert out["model"]["dtype"] == "bfloat16" and ("model.torch_dtype auto (NeMo's default) -> model.dtype bfloat16 "
+                                                    "(NeMo's from_config builds auto in bfloat16)") in said
 
 
 def test_the_squad_recipe_trains_three_steps_from_a_datasets_cache(tmp_path: Path) -> None:
@@ -167,18 +219,22 @@ def test_nemo_s_packing_options_are_said_with_what_remat_does() -> None:
 
 
 def test_torch_dtype_auto_is_the_checkpoint_s_dtype(tmp_path: Path) -> None:
+    from remat.models.config import ModelConfig, with_concrete_dtype
+
     checkpoint = tmp_path / "model"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text('{"model_type": "llama", "torch_dtype": "bfloat16"}')
     data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
     data["model"].update(pretrained_model_name_or_path=str(checkpoint), torch_dtype="auto")
     out, said = from_nemo(data)
-    assert out["model"]["dtype"] == "bfloat16"
-    assert "model.torch_dtype auto -> model.dtype bfloat16 (the checkpoint's config.json)" in said
-    data["model"]["pretrained_model_name_or_path"] = str(tmp_path / "elsewhere")
-    with pytest.raises(ConfigError, match=r"model.torch_dtype: auto is the checkpoint's own dtype, which cannot be "
-                                          r"read here \(.*\); allowed: model.dtype: bfloat16, float16 or float32"):
-        from_nemo(data)
+    assert out["model"]["dtype"] == "auto"
+    assert "model.torch_dtype auto -> model.dtype auto (the dtype the checkpoint's config.json names)" in said
+    model = ModelConfig.model_validate(out["model"])
+    assert with_concrete_dtype(model).dtype == "bfloat16"
+    (checkpoint / "config.json").write_text('{"model_type": "llama", "torch_dtype": "float8_e4m3fn"}')
+    with pytest.raises(ConfigError, match=r"^model.dtype: auto is 'float8_e4m3fn' in .*model's config.json, which "
+                                          r"remat does not train in; allowed: model.dtype: float32, bfloat16, float16$"):
+        with_concrete_dtype(model)
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -39,6 +39,7 @@ from remat.estimate.simulate import StepTrace, check_simulable, simulate_step
 from remat.hub import hub_config_file, is_hub_id
 from remat.models import ModelConfig, get_preset, preset_names
 from remat.models.build import ignored_config_keys, resolve_model_config
+from remat.models.config import with_concrete_dtype
 from remat.recipes.config import RecipeConfig
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def estimate_memory(model: ModelLike, settings: StepSettings | None = None, *, l
         raise ConfigError(f"{unknown[0]}: not a setting of estimate_memory; allowed: {', '.join(_SETTING_NAMES)}")
     settings = dataclasses.replace(settings or StepSettings(), **options)
     settings.validate()
-    model_cfg = resolve_model(model)
+    model_cfg = with_concrete_dtype(resolve_model(model))
     settings = dataclasses.replace(settings, dtype=settings.dtype or model_cfg.dtype,
                                    autocast=settings.autocast or model_cfg.autocast)
     if needs_fresh_process(settings.strategy, settings.cp_size):  # inside a distributed job: `remat._child`
@@ -261,6 +262,7 @@ def settings_from_recipe(cfg: Any, **options: Any) -> tuple[ModelConfig, StepSet
     here: `remat.data.tokenizer.tokenizer_vocabulary`). A recipe for ``ddp`` / ``fsdp2`` without
     ``distributed.dp_size`` needs ``world_size`` (torchrun decides it at launch)."""
     _say_launcher_decides(cfg, options.get("world_size"))
+    cfg = with_concrete_model_dtype(cfg)
     settings = StepSettings.from_recipe(cfg, vocab_size=_recipe_vocabulary(cfg), **options)
     model = _without_weights(cfg.model)
     check_simulable(settings.to_recipe(model), settings.run())
@@ -280,12 +282,18 @@ def recipe_step(cfg: Any, *, target: str, world_size: int | None = None,
         model, settings = settings_from_recipe(cfg, target=target, **options)
         return settings.to_recipe(model), settings.run()
     _say_launcher_decides(cfg, world_size)
+    cfg = with_concrete_model_dtype(cfg)
     d = cfg.distributed
     run = SimulatedRun(target=target, vocab_size=_recipe_vocabulary(cfg),  # type: ignore[arg-type]
                        world_size=world_size or (d.dp_size or 1) * d.cp_size * d.tp_size)
     recipe = cfg.model_copy(update={"model": _without_weights(cfg.model)})
     check_simulable(recipe, run)
     return recipe, run
+
+
+def with_concrete_model_dtype(cfg: Any) -> Any:
+    """The recipe with ``model.dtype: auto`` read (`remat.models.config.with_concrete_dtype`)."""
+    return cfg.model_copy(update={"model": with_concrete_dtype(cfg.model)}) if cfg.model.dtype == "auto" else cfg
 
 
 def _recipe_vocabulary(cfg: Any) -> int | None:

@@ -30,7 +30,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from remat.errors import ConfigError
 from remat.hub import hub_load_error, offline_unless_reachable
-from remat.models.config import ModelConfig
+from remat.models.config import ModelConfig, with_concrete_dtype
 from remat.models.presets import get_preset, preset_for_hub_id
 from remat.models.shape import check_config_shape, check_buildable
 
@@ -72,11 +72,12 @@ def build_model(
 ) -> PreTrainedModel:
     """Build the causal LM described by `cfg` on `device` (or on the meta device, without storage, if `meta`).
 
-    Parameters are created in `cfg.dtype`; the model is returned in train mode with `use_cache=False`.
+    Parameters are created in `cfg.dtype` (``auto``: `with_concrete_dtype`); the model is returned in train mode with `use_cache=False`.
     See `resolve_model_config` for how `vocab_size` is used. `pretrained_kwargs` go to transformers'
     `from_pretrained` for pretrained sources (for example `revision`, `token`, `cache_dir`, or config overrides).
     """
     _check_vocab_argument(vocab_size)
+    cfg = with_concrete_dtype(cfg)
     dtype: torch.dtype = getattr(torch, cfg.dtype)
     if cfg.source == "pretrained" and not meta:
         model = _load_pretrained(cfg, dtype, device, dict(pretrained_kwargs or {}))

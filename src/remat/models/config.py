@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, field_validator, model_validator
 
+from remat._files import read_regular_bytes
 from remat.config_base import StrictModel
 from remat.errors import ConfigError
-from remat.hub import is_hub_id
+from remat.hub import hub_config_file, is_hub_id
 from remat.models.presets import get_preset, preset_names
 
+logger = logging.getLogger(__name__)
+
 ParamDtype = Literal["float32", "bfloat16", "float16"]
+ModelDtype = Literal["float32", "bfloat16", "float16", "auto"]
+"""``model.dtype``: a `ParamDtype`, or ``auto`` (the checkpoint's, `with_concrete_dtype`)."""
 AutocastDtype = Literal["bfloat16", "float16"]
 DocumentAttention = Literal["auto", True, False]
 ModelSource = Literal["pretrained", "preset", "config"]
@@ -43,8 +50,10 @@ class ModelConfig(StrictModel):
     """A shape preset name (see `remat.models.preset_names()`): random weights of a well-known model's shape."""
     config: dict[str, Any] | None = None
     """A transformers config as a mapping, `model_type` included; with `preset`, fields that override it."""
-    dtype: ParamDtype = "float32"
-    """The dtype of the parameters."""
+    dtype: ModelDtype = "float32"
+    """The dtype of the parameters; ``auto`` (transformers' ``dtype="auto"``): the one the pretrained checkpoint's
+    config.json names, or ``config``'s own ``dtype`` / ``torch_dtype``, float32 where none is named; read when the
+    model is first needed (`with_concrete_dtype`), so a recipe validates without the checkpoint."""
     autocast: AutocastDtype | None = None
     """Run forward/backward under `torch.autocast` in this dtype (the training loop applies it)."""
     attn_implementation: Literal["sdpa", "eager"] | None = None
@@ -139,3 +148,40 @@ class ModelConfig(StrictModel):
         preset = get_preset(self.preset)  # type: ignore[arg-type]
         overrides = f" with overrides {sorted(self.config)}" if self.config else ""
         return f"random weights, preset {preset.name} ({preset.source}){overrides}"
+
+
+def with_concrete_dtype(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with ``dtype: auto`` replaced by the dtype it means (said once in an INFO line): the one the pretrained
+    checkpoint's config.json names (only that file is read: a local directory, or the Hub / its cache), or the
+    ``config`` mapping's (over a preset's); float32 where none is named, as transformers does. Any other ``cfg`` is
+    returned as it is."""
+    if cfg.dtype != "auto":
+        return cfg
+    if cfg.pretrained_model_name_or_path is not None:
+        source = cfg.pretrained_model_name_or_path
+        mapping, where = _checkpoint_config_json(source), f"{source}'s config.json"
+    else:
+        mapping, where = {**(get_preset(cfg.preset).config if cfg.preset else {}), **(cfg.config or {})}, "model.config"
+    named = str(mapping.get("dtype") or mapping.get("torch_dtype") or "float32").removeprefix("torch.")
+    if named not in get_args(ParamDtype):
+        raise ConfigError(f"model.dtype: auto is {named!r} in {where}, which remat does not train in; allowed: "
+                          f"model.dtype: {', '.join(get_args(ParamDtype))}")
+    logger.info("model.dtype: auto -> %s (%s)", named, where)
+    return cfg.model_copy(update={"dtype": named})
+
+
+def _checkpoint_config_json(source: str) -> dict[str, Any]:
+    """The config.json of a pretrained model (a directory, or a Hub id: that file alone, downloaded or cached), as
+    data; `ConfigError` naming ``model.dtype`` when it cannot be read."""
+    local = Path(source).expanduser()
+    file = local / "config.json" if local.is_dir() else Path(hub_config_file(source, _DTYPE_KEY))
+    try:
+        data = json.loads(read_regular_bytes(file, f"{_DTYPE_KEY}:", limit=16 << 20))
+    except (ValueError, RecursionError) as err:
+        raise ConfigError(f"{_DTYPE_KEY}: auto reads {file}, which is not valid JSON ({type(err).__name__})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_DTYPE_KEY}: auto reads {file}, which is not a JSON object")
+    return data
+
+
+_DTYPE_KEY = "model.dtype"

@@ -38,6 +38,7 @@ from remat.distributed.env import ProcessEnv
 from remat.errors import ConfigError, RematError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
+from remat.models.config import with_concrete_dtype
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
@@ -131,6 +132,7 @@ class FinetuneRecipe:
         """``replanner`` (given by `remat finetune` for ``activation_checkpointing: auto``: a
         `remat.adaptation.adapter.PlanAdapter`) turns on the run-time watch: a step over
         ``activation_checkpointing.memory_budget`` is re-planned and retried (`remat.adaptation`)."""
+        cfg = cfg.model_copy(update={"model": with_concrete_dtype(cfg.model)})  # `auto`: read once, here
         self.cfg = cfg
         self.source = source
         """The recipe file the run was read from (said at start), when it came from one."""

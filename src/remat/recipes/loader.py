@@ -242,13 +242,13 @@ def load_recipe_data(path: str | Path, overrides: Sequence[str] | Sequence[tuple
     """The recipe mapping of ``path`` with ``overrides`` applied, not yet validated (some mistakes are said from it
     before torch is imported: `remat.commands.finetune`)."""
     data = read_yaml(path)
+    pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
+             else list(overrides))
     if is_nemo_recipe(data):  # NeMo AutoModel's llm_finetune spelling: mapped key by key, or refused with the remat one
         data, said = from_nemo(data, data_needed=data_needed, check=_problems)
         for line in said:
             logger.info("NeMo AutoModel recipe: %s", line)
     _refuse_runner_only_keys(data, path)
-    pairs = (parse_overrides(overrides, RecipeConfig) if overrides and isinstance(overrides[0], str)  # type: ignore[arg-type]
-             else list(overrides))
     if not any(key == TRUST_REMOTE_CODE for key, _ in pairs):
         _refuse_remote_code(data, path)
     data = apply_overrides(data, pairs)  # type: ignore[arg-type]

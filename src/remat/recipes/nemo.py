@@ -6,8 +6,9 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
 (`NEMO_SECTIONS`). What maps:
 
 - ``model._target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained`` (or ``.from_config``): the model's
-  other keys as they are; ``torch_dtype`` is ``model.dtype`` (``bf16`` -> ``bfloat16``); ``backend`` (NeMo's kernels)
-  is dropped: remat runs transformers' attention;
+  other keys as they are; ``torch_dtype`` is ``model.dtype`` (``bf16`` -> ``bfloat16``; ``auto``, also NeMo's
+  default when it is left out, is the checkpoint's config.json dtype, bfloat16 for ``from_config``); ``backend``
+  (NeMo's kernels) is dropped: remat runs transformers' attention;
 - ``tokenizer`` (``NeMoAutoTokenizer.from_pretrained`` or transformers' ``AutoTokenizer``): the model's own
   tokenizer (dropped) or ``tokenizer.path``; ``add_bos_token`` / ``add_eos_token: true`` are what remat does;
 - ``loss_fn._target_``: NeMo's ``MaskedCrossEntropy`` and ``FusedLinearCrossEntropy`` are remat's of the same names;
@@ -102,7 +103,8 @@ def from_nemo(data: Mapping[str, Any], *, data_needed: bool = True,
     """``data`` in remat's spelling and one line per key mapped or dropped; `ConfigError` with one line per key that
     cannot be read (what to write instead). ``data_needed=False`` (``remat estimate`` / ``plan``, which read no data):
     NeMo's dataset sections are set aside, their ``seq_length`` kept, instead of refused. ``check``: the recipe's own
-    validation as problem lines, run on the rest of a refused recipe so that every problem is said in one round."""
+    validation as problem lines, run on the rest of a refused recipe so that every problem is said in one round.
+    """
     out: dict[str, Any] = copy.deepcopy(dict(data))
     said: list[str] = []
     refused: list[str] = []
@@ -204,63 +206,32 @@ def _model(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
         said.append("model.trust_remote_code true: not carried over (in remat only the command line switches on a "
                     "model's own code: transformers' own architectures need none, and a model that ships code is "
                     "refused when it loads unless you run with --trust-remote-code)")
-    if "torch_dtype" in model:
-        dtype = str(model.pop("torch_dtype"))
-        if dtype == "auto":
-            _checkpoint_dtype(model, said, refused)
-        elif dtype not in _DTYPES:
-            refused.append(f"model.torch_dtype: got {dtype!r}; allowed: {', '.join(sorted(set(_DTYPES)))}")
-        else:
-            model["dtype"] = _DTYPES[dtype]
-            said.append(f"model.torch_dtype {dtype} -> model.dtype {_DTYPES[dtype]}")
+    written = "torch_dtype" in model
+    default = "auto" if target in _MODEL_TARGETS and "dtype" not in model else ""
+    dtype = str(model.pop("torch_dtype", default))
+    if dtype == "auto":  # NeMo's default too: from_pretrained keeps the checkpoint's dtype, from_config bfloat16
+        _auto_dtype(model, str(target), written, said)
+    elif dtype and dtype not in _DTYPES:
+        refused.append(f"model.torch_dtype: got {dtype!r}; allowed: {', '.join(sorted(set(_DTYPES)))}")
+    elif dtype:
+        model["dtype"] = _DTYPES[dtype]
+        said.append(f"model.torch_dtype {dtype} -> model.dtype {_DTYPES[dtype]}")
     if model.pop("backend", None) is not None:
         said.append("model.backend (NeMo's kernels): dropped; remat runs transformers' attention and layers")
     _tokenizer(out, model, said, refused)
 
 
-def _checkpoint_dtype(model: dict[str, Any], said: list[str], refused: list[str]) -> None:
-    """``torch_dtype: auto`` (transformers': the dtype the checkpoint's config.json names, float32 where it names
-    none) as ``model.dtype``, read from that config.json (a local directory, or the Hub / its cache: that file only)."""
-    source = model.get("pretrained_model_name_or_path")
-    try:
-        if not isinstance(source, str):
-            raise ConfigError("no pretrained_model_name_or_path to read it from")
-        config = _config_json(source)
-    except ConfigError as err:
-        refused.append(f"model.torch_dtype: auto is the checkpoint's own dtype, which cannot be read here ("
-                       f"{str(err).splitlines()[0][:300]}); allowed: model.dtype: bfloat16, float16 or float32")
+def _auto_dtype(model: dict[str, Any], target: str, written: bool, said: list[str]) -> None:
+    """``torch_dtype: auto``, ``written`` or NeMo's default: bfloat16 for NeMo's ``from_config`` (its own rule), else
+    remat's ``model.dtype: auto`` (transformers' rule: the checkpoint's config.json dtype, read when the model is
+    first needed, so the recipe reads without the checkpoint)."""
+    key = "model.torch_dtype auto" + ("" if written else " (NeMo's default)")
+    if target.endswith(".from_config"):
+        model["dtype"] = "bfloat16"
+        said.append(f"{key} -> model.dtype bfloat16 (NeMo's from_config builds auto in bfloat16)")
         return
-    named = config.get("torch_dtype", config.get("dtype")) or "float32"
-    dtype = _DTYPES.get(str(named))
-    if dtype is None:
-        refused.append(f"model.torch_dtype: auto is {named!r} in {source}'s config.json, which remat does not train "
-                       f"in; allowed: model.dtype: bfloat16, float16 or float32")
-        return
-    model["dtype"] = dtype
-    said.append(f"model.torch_dtype auto -> model.dtype {dtype} (the checkpoint's config.json)")
-
-
-def _config_json(source: str) -> dict[str, Any]:
-    import json
-    from pathlib import Path
-
-    from remat._files import read_regular_bytes
-    from remat.hub import hub_config_file, is_hub_id
-
-    local = Path(source).expanduser()
-    if local.is_dir():
-        file = local / "config.json"
-    elif is_hub_id(source):
-        file = Path(hub_config_file(source, "model.pretrained_model_name_or_path"))
-    else:
-        raise ConfigError(f"{source!r} is neither a directory nor a Hub id")
-    try:
-        data = json.loads(read_regular_bytes(file, "model.torch_dtype:", limit=1 << 20))
-    except (ValueError, RecursionError) as err:
-        raise ConfigError(f"{file} is not valid JSON ({type(err).__name__})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file} is not a JSON object")
-    return data
+    model["dtype"] = "auto"
+    said.append(f"{key} -> model.dtype auto (the dtype the checkpoint's config.json names)")
 
 
 def _tokenizer(out: dict[str, Any], model: Mapping[str, Any], said: list[str], refused: list[str]) -> None:
