@@ -90,6 +90,10 @@ def _sizes_joined(argv: Sequence[str]) -> list[str]:
 LIBRARIES_WITH_OWN_HANDLERS: tuple[str, ...] = ("huggingface_hub", "datasets", "transformers")
 
 
+def _not_an_enum_registration(record: logging.LogRecord) -> bool:
+    return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(_sizes_joined(sys.argv[1:] if argv is None else argv))
@@ -97,6 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         stream=sys.stderr)
     for library in LIBRARIES_WITH_OWN_HANDLERS:  # their lines once, as they print them, not again under [remat]
         logging.getLogger(library).propagate = False
+    # torchao (imported by transformers whenever it is installed) warns at import about each CUDA kernel library it
+    # cannot load, on every machine without those GPUs, and registers enums torch now handles itself; its errors
+    # and torch's other warnings still show.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").addFilter(_not_an_enum_registration)
     if args.command is None:
         parser.print_help()
         return 2

@@ -27,8 +27,8 @@ def build_fake_model(recipe: RecipeConfig, fake: FakeTensorMode, *, vocab_size: 
 
     No generator is seeded or drawn from: fake initialisers draw no numbers, and a seed set here would reach the run
     (torch.manual_seed also queues a CUDA seed applied when CUDA starts, replacing the run's own)."""
-    with fake, quiet_log("remat.models.document_attention"):  # the attention line is the real run's to say
-        net = build_recipe_model(recipe.model_copy(update={"peft": None}), vocab_size=vocab_size)
+    with fake, quiet_log("remat.models.document_attention"), quiet_log("remat.models.fp8"):  # the real run's lines
+        net = build_recipe_model(recipe.model_copy(update={"peft": None}), vocab_size=vocab_size, simulated=True)
     if recipe.peft is None:
         return net
     device = next(net.parameters()).device

@@ -25,6 +25,7 @@ from remat.errors import ConfigError
 from remat.loss import loss_input
 from remat.models import build_model
 from remat.models.document_attention import use_document_attention
+from remat.models.fp8 import apply_fp8
 from remat.recipes.config import CompileConfig, PeftConfig, RecipeConfig
 from remat.recipes.model_loss import CausalLMLoss
 from remat.recipes.targets import LOSS, OPTIMIZER, build_target, resolve_target
@@ -44,11 +45,16 @@ def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu") -> nn.Module:
-    """The recipe's model on ``device`` (with LoRA adapters when it has a ``peft`` section); packed rows attend per
-    document (``model.document_attention``, `remat.models.document_attention`)."""
+def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu",
+                       simulated: bool = False) -> nn.Module:
+    """The recipe's model on ``device`` (its linear layers in FP8 with ``fp8.enabled``, `remat.models.fp8`; with LoRA
+    adapters when it has a ``peft`` section); packed rows attend per document (``model.document_attention``,
+    `remat.models.document_attention`). ``simulated``: built on fake tensors for the estimate of another device (FP8
+    is not refused for the CPU it is built on)."""
     model = build_model(cfg.model, vocab_size=vocab_size, device=device)
     use_document_attention(model, cfg.model.document_attention, packed=cfg.dataset.packing)
+    if cfg.fp8.enabled:  # before LoRA wraps the linear layers: the base layers run in FP8, the adapters do not
+        apply_fp8(model, cfg.fp8, device, check_device=not simulated)
     return apply_lora(model, cfg.peft) if cfg.peft is not None else model
 
 

@@ -28,6 +28,7 @@ from remat.data.config import DatasetConfig, TokenizerConfig
 from remat.distributed.config import AutoCheckpointing, DistributedConfig
 from remat.errors import ConfigError
 from remat.models.config import ModelConfig
+from remat.models.fp8 import FP8Config
 
 class TargetConfig(StrictModel):
     """A section naming a class or function to build (``_target_``) plus its keyword arguments.
@@ -267,6 +268,7 @@ class RecipeConfig(StrictModel):
     clip_grad_norm: ClipGradNormConfig = Field(default_factory=ClipGradNormConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    fp8: FP8Config = Field(default_factory=FP8Config)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -15,6 +15,7 @@ on by all ranks, and checkpoints are sharded (fsdp2, torch.distributed.checkpoin
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import signal
@@ -39,6 +40,7 @@ from remat.errors import ConfigError, RematError
 from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.models.config import with_concrete_dtype
+from remat.models.fp8 import after_optimizer_step, check_fp8_device
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
@@ -145,6 +147,7 @@ class FinetuneRecipe:
         OutputPaths.of(cfg.output_dir, cfg.checkpoint.checkpoint_dir, cfg.checkpoint.enabled,
                        cfg.logging.metrics_file).check()
         self.dist = distributed_setup(cfg)
+        check_fp8_device(cfg.fp8, self.dist.device)  # before the data is read and the model built
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = checkpoint_directory(cfg)
         self.nonfinite = NonFiniteGuard.from_config(cfg.training, unusual_settings(cfg))
@@ -182,6 +185,8 @@ class FinetuneRecipe:
         with quiet_log("remat.checkpointing.apply"):  # the setup report prints the plan's table, once
             self.compute_loss = build_training_module(self.model, cfg, self.dist)
         self.optimizer = build_optimizer(cfg, (p for p in self.model.parameters() if p.requires_grad))
+        self.after_update = functools.partial(after_optimizer_step, self.model, cfg.fp8) if (
+            cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp) else None
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.step_scheduler.max_steps)
         self.batches = StatefulBatchIterator(
             self.train_data, cfg.step_scheduler.local_batch_size, shuffle=cfg.dataset.shuffle, seed=cfg.seed,
@@ -385,6 +390,7 @@ class FinetuneRecipe:
                 return train_step(self.compute_loss, list(self.model.parameters()), self.optimizer, micro_batches,
                                   setup=self.dist, label_tokens=label_tokens, autocast_dtype=self.cfg.model.autocast,
                                   max_norm=self.cfg.clip_grad_norm.max_norm, lr_scheduler=self.lr_scheduler,
+                                  after_update=self.after_update,
                                   **({"mark": retry.mark} if retry is not None else {}))
 
         outcome = retry.attempt(self.step + 1, attempt) if retry is not None else attempt()

@@ -336,6 +336,13 @@ def _warn_once(message: str, *args: Any) -> None:
 
 
 def _check_cross_section(cfg: RecipeConfig) -> None:
+    if cfg.fp8.enabled and not cfg.fp8.emulate and cfg.dataset.seq_length % 16:
+        raise ConfigError(f"dataset.seq_length: {cfg.dataset.seq_length} with fp8.enabled; FP8 matrix multiplies take "
+                          "dimensions that are multiples of 16; allowed: a multiple of 16 (e.g. "
+                          f"{-(-cfg.dataset.seq_length // 16) * 16})")
+    if cfg.fp8.enabled and cfg.fp8.enable_fsdp_float8_all_gather and cfg.distributed.strategy != "fsdp2":
+        raise ConfigError(f"fp8.enable_fsdp_float8_all_gather: true is how FSDP2 gathers sharded weights, but "
+                          f"distributed.strategy is {cfg.distributed.strategy!r}; allowed with it: false")
     if cfg.compile.enabled and cfg.logging.memory == "tracked":
         raise ConfigError("compile.enabled: true with logging.memory: tracked; the tracker sees every op through a "
                           "dispatch mode, under which torch.compile runs the blocks eagerly; allowed: logging.memory: "

@@ -544,12 +544,12 @@ def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     for key, why in _NOT_IN_REMAT.items():
         if key in out:
             refused.append(f"{key}: {why}")
-    fp8 = out.pop("fp8", None)
-    if isinstance(fp8, Mapping) and fp8.get("enabled"):
-        refused.append("fp8: enabled trains the linear layers in FP8 (torchao); remat trains in bfloat16, float16 or "
-                       "float32: remove the section (model.autocast: bfloat16 is the nearest)")
-    elif fp8 is not None:
-        said.append("fp8: dropped (not enabled)")
+    fp8 = out.get("fp8")
+    if isinstance(fp8, dict):
+        if fp8.get("recipe_name", "") is None:  # NeMo's None is tensorwise scaling, remat's default
+            del fp8["recipe_name"]
+        said.append("fp8: read as it is (torchao's FP8 training of the linear layers, the same keys)" if
+                    fp8.get("enabled") else "fp8: read as it is (not enabled)")
     if out.get("validation_dataset") in ("none", "None", "null"):
         del out["validation_dataset"]
         said.append("validation_dataset none -> no validation")

@@ -71,13 +71,15 @@ def train_step(
     max_norm: float | None,
     lr_scheduler: Any = None,
     mark: Callable[[str], None] = lambda label: None,
+    after_update: Callable[[], None] | None = None,
 ) -> StepOutcome:
     """One optimizer step over ``micro_batches`` (already on the device).
 
     ``root`` is the module `remat.recipes.build.build_training_module` returned, ``params`` the model's parameters
     (the gradient norm is taken over them), ``label_tokens`` the step's count from `step_label_tokens`.
     ``max_norm`` None measures the norm without clipping. ``mark`` is called with each phase's name as it starts
-    (the estimate records its phases with it).
+    (the estimate records its phases with it). ``after_update`` runs after the optimizer step (FP8's
+    scales of the sharded weights, `remat.models.fp8.after_optimizer_step`).
     """
     # DDP and FSDP2 average gradients over the ranks holding a share of the batch (dp x cp); each rank's loss is its
     # share of the global sum (divided by the global label-token count), so scaling by their number turns that
@@ -103,6 +105,8 @@ def train_step(
     lr = float(optimizer.param_groups[0]["lr"])
     skipped = nonfinite_flag(total_loss, grad_norm, setup)
     step_unless(optimizer, skipped)
+    if after_update is not None:  # also after a skipped step: recomputing scales of unchanged weights is harmless
+        after_update()
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
