@@ -78,12 +78,10 @@ def train_step(
     ``root`` is the module `remat.recipes.build.build_training_module` returned, ``params`` the model's parameters
     (the gradient norm is taken over them), ``label_tokens`` the step's count from `step_label_tokens`.
     ``max_norm`` None measures the norm without clipping. ``mark`` is called with each phase's name as it starts
-    (the estimate records its phases with it). ``after_update`` runs after the optimizer step (FP8's
-    scales of the sharded weights, `remat.models.fp8.after_optimizer_step`).
+    (the estimate records its phases with it). ``after_update`` runs after the optimizer step (FP8's scales).
     """
     # DDP and FSDP2 average gradients over the ranks holding a share of the batch (dp x cp); each rank's loss is its
-    # share of the global sum (divided by the global label-token count), so scaling by their number turns that
-    # average into the sum.
+    # share of the global sum (over the global label-token count): scaling by their number turns that into the sum.
     grad_scale = float(setup.shard_count)
     device_type = micro_batches[0]["input_ids"].device.type
     total_loss: torch.Tensor | None = None

@@ -64,6 +64,7 @@ RESUME_RULES: dict[str, Rule] = {
     "loss_fn.*": _APPLIED,
     "clip_grad_norm.*": _APPLIED,
     "compile.*": _APPLIED,
+    "fp8.*": _APPLIED,
     "distributed.strategy": _LAYOUT,
     "distributed.dp_size": _LAYOUT,
     "distributed.tp_size": _LAYOUT,
