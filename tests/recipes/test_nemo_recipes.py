@@ -403,3 +403,34 @@ def test_nemos_tokenizer_flags_for_bos_and_eos_are_what_remat_does_and_their_ref
                      "allowed: true (or remove the key)",
                      "tokenizer: padding_side of NeMoAutoTokenizer have no remat counterpart; allowed: "
                      "pretrained_model_name_or_path (remat loads that tokenizer as it is)"], lines
+
+
+def test_an_estimate_answers_for_the_layout_remat_would_run_and_training_refuses_it() -> None:
+    """NOTE [ The estimate of what remat would run ]: pipeline and expert parallelism, sequence parallelism and
+    Transformer Engine's FusedAdam become FSDP2 over the same GPUs and AdamW for `remat estimate`, each said with
+    what the estimate leaves out; `remat finetune` refuses them by name, pointing at that estimate."""
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["distributed"].update(dp_size=2, tp_size=2, pp_size=4, ep_size=8, sequence_parallel=True,
+                               pipeline={"pp_schedule": "interleaved1f1b", "pp_size": 4})
+    data["optimizer"] = {"_target_": "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "lr": 2e-5,
+                         "betas": [0.9, 0.95], "master_weights": True, "exp_avg_dtype": "torch.float32",
+                         "store_param_remainders": True}
+    out, said = from_nemo(data, data_needed=False)
+    assert out["distributed"]["dp_size"] == 8 and out["distributed"]["tp_size"] == 2
+    assert not {"pp_size", "ep_size", "sequence_parallel", "pipeline"} & set(out["distributed"])
+    assert out["optimizer"] == {"_target_": "torch.optim.AdamW", "lr": 2e-5, "betas": [0.9, 0.95]}
+    assert ("distributed.pp_size 4: estimated as FSDP2 over the same GPUs, the pipeline stages' ranks data-parallel "
+            "(dp_size 2 -> 8); remat has no pipeline parallelism") in said
+    assert ("distributed.ep_size 8: estimated as FSDP2 over the same GPUs, the experts sharded over the data-parallel "
+            "ranks like every other layer; remat has no expert parallelism") in said
+    assert any(line.startswith("distributed.sequence_parallel: estimated without it") for line in said)
+    assert ("optimizer._target_ transformer_engine FusedAdam: estimated as torch.optim.AdamW (moments in the "
+            "parameters' dtype); its float32 master weights and moments in exp_avg_dtype are not in this estimate"
+            ) in said
+    with pytest.raises(ConfigError) as info:
+        from_nemo(data)
+    lines = str(info.value).splitlines()[1:]
+    assert [line.split(":", 1)[0] for line in lines if line.startswith("distributed.")] == [
+        "distributed.pipeline", "distributed.pp_size", "distributed.ep_size", "distributed.sequence_parallel"]
+    assert "FSDP2 over the same GPUs instead (remat estimate RECIPE says what that layout holds per GPU)" in (
+        str(info.value))

@@ -110,6 +110,7 @@ def from_nemo(data: Mapping[str, Any], *, data_needed: bool = True,
     refused: list[str] = []
     if not data_needed:
         _data_set_aside(out, said)
+        _layout_for_estimate(out, said)
     for step in (_top_level, _model, _loss, _distributed, _data, _checkpoint, _schedules, _peft, _extras):
         step(out, said, refused)
     named = {line.split(":", 1)[0] for line in refused}  # a key refused above is not said twice
@@ -336,8 +337,9 @@ def _distributed(out: dict[str, Any], said: list[str], refused: list[str]) -> No
             said.append(f"distributed.{key} {shown}: dropped (what remat does)")
         else:
             refused.append(f"distributed.{key}: {value!r} is not supported by remat (pipeline, expert and sequence "
-                           "parallelism); allowed: " + ("false" if trivial is False else "1") + ", or context "
-                           "parallelism: distributed.cp_size")
+                           "parallelism); allowed: " + ("false" if trivial is False else "1") + ", with FSDP2 over "
+                           "the same GPUs instead (remat estimate RECIPE says what that layout holds per GPU), or "
+                           "context parallelism: distributed.cp_size")
 
 
 #: NeMo's ``distributed.mp_policy`` (an FSDP2 ``MixedPrecisionPolicy``): what remat's ``mixed_precision: D`` is.
@@ -378,6 +380,54 @@ def _trivial_section(section: dict[str, Any], name: str, said: list[str], refuse
                        "RECIPE says what that layout holds per GPU)")
     else:
         said.append(f"distributed.{name}: dropped (its sizes are 1: nothing remat lacks)")
+
+
+# NOTE [ The estimate of what remat would run ]
+# `remat estimate` and `remat plan` of a NeMo recipe answer for the run remat would make of it on the same GPUs: a
+# recipe asking for pipeline or expert parallelism is refused for training (remat has neither), but its user's
+# question is what FSDP2 over those GPUs would hold. So for a command that reads no data those keys become that
+# layout, each said in a line with what the estimate leaves out; training still refuses them by name.
+def _layout_for_estimate(out: dict[str, Any], said: list[str]) -> None:
+    """For a command that only estimates (NOTE [ The estimate of what remat would run ]): pipeline and expert
+    parallelism, sequence parallelism and Transformer Engine's FusedAdam, which remat does not run, as what it would
+    run on the same GPUs, each said with what the estimate leaves out."""
+    section = out.get("distributed")
+    if isinstance(section, dict):
+        stages = _size(section, "pp_size", "pipeline")
+        if stages > 1:
+            dp = section.get("dp_size")
+            if isinstance(dp, int) and not isinstance(dp, bool):
+                section["dp_size"] = dp * stages
+            said.append(f"distributed.pp_size {stages}: estimated as FSDP2 over the same GPUs, the pipeline stages' "
+                        "ranks data-parallel" + (f" (dp_size {dp} -> {dp * stages})" if isinstance(dp, int) else "")
+                        + "; remat has no pipeline parallelism")
+        experts = _size(section, "ep_size", "moe")
+        if experts > 1:
+            said.append(f"distributed.ep_size {experts}: estimated as FSDP2 over the same GPUs, the experts sharded "
+                        "over the data-parallel ranks like every other layer; remat has no expert parallelism")
+        if section.get("sequence_parallel") is True:
+            del section["sequence_parallel"]
+            said.append("distributed.sequence_parallel: estimated without it (the norms' activations are not split "
+                        "over the tensor-parallel ranks: an upper bound)")
+    optimizer = out.get("optimizer")
+    if isinstance(optimizer, dict) and str(optimizer.get("_target_", "")).endswith(".FusedAdam") and str(
+            optimizer["_target_"]).startswith("transformer_engine."):
+        kept = {key: optimizer[key] for key in ("lr", "betas", "eps", "weight_decay") if key in optimizer}
+        extra = [what for key, what in (("master_weights", "float32 master weights"),
+                                        ("exp_avg_dtype", "moments in exp_avg_dtype")) if optimizer.get(key)]
+        out["optimizer"] = {"_target_": "torch.optim.AdamW", **kept}
+        said.append("optimizer._target_ transformer_engine FusedAdam: estimated as torch.optim.AdamW (moments in the "
+                    "parameters' dtype)" + (f"; its {' and '.join(extra)} are not in this estimate" if extra else ""))
+
+
+def _size(section: dict[str, Any], key: str, nested: str) -> int:
+    """``distributed.<key>`` or its nested section's size, both taken out of ``section``; 1 when neither asks."""
+    sizes = [section.pop(key, None)]
+    inner = section.get(nested)
+    if isinstance(inner, Mapping) and any(inner.get(k) not in (v, None) for k, v in _TRIVIAL_SIZES.items()):
+        section.pop(nested)
+        sizes += [inner.get(name) for name in (key, "size", "num_stages")]
+    return max((size for size in sizes if isinstance(size, int) and not isinstance(size, bool)), default=1)
 
 
 def _data_set_aside(out: dict[str, Any], said: list[str]) -> None:
