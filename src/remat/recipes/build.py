@@ -47,14 +47,18 @@ def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:
 
 def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu",
                        simulated: bool = False) -> nn.Module:
-    """The recipe's model on ``device`` (its linear layers in FP8 with ``fp8.enabled``, `remat.models.fp8`; with LoRA
-    adapters when it has a ``peft`` section); packed rows attend per document (``model.document_attention``,
+    """The recipe's model on ``device`` (its linear layers in FP8 with ``fp8.enabled``, `remat.models.fp8`; NEFTune's
+    noise on its embeddings with ``training.neftune_noise_alpha``; with LoRA adapters when it has a ``peft`` section); packed rows attend per document (``model.document_attention``,
     `remat.models.document_attention`). ``simulated``: built on fake tensors for the estimate of another device (FP8
     is not refused for the CPU it is built on)."""
     model = build_model(cfg.model, vocab_size=vocab_size, device=device)
     use_document_attention(model, cfg.model.document_attention, packed=cfg.dataset.packing)
     if cfg.fp8.enabled:  # before LoRA wraps the linear layers: the base layers run in FP8, the adapters do not
         apply_fp8(model, cfg.fp8, device, check_device=not simulated)
+    if cfg.training.neftune_noise_alpha is not None:  # on the embedding module itself: LoRA keeps it
+        from transformers.integrations.neftune import activate_neftune
+
+        activate_neftune(model, cfg.training.neftune_noise_alpha)
     return apply_lora(model, cfg.peft) if cfg.peft is not None else model
 
 

@@ -150,6 +150,10 @@ class TrainingConfig(StrictModel):
 
     on_nonfinite: Literal["skip", "stop"] = "stop"
     max_nonfinite_steps: PositiveInt = 3
+    neftune_noise_alpha: PositiveFloat | None = None
+    """NEFTune: uniform noise of magnitude ``alpha / sqrt(seq_length x hidden_size)`` added to the input embeddings
+    in training steps (not in validation), through transformers' own hook (``TrainingArguments.neftune_noise_alpha``'s
+    meaning); null: none."""
 
 
 COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager", "cudagraphs")

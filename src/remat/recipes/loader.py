@@ -336,6 +336,10 @@ def _warn_once(message: str, *args: Any) -> None:
 
 
 def _check_cross_section(cfg: RecipeConfig) -> None:
+    if cfg.training.neftune_noise_alpha is not None and cfg.distributed.cp_size > 1:
+        raise ConfigError(f"training.neftune_noise_alpha with distributed.cp_size {cfg.distributed.cp_size}: NEFTune "
+                          "scales its noise by the row's length, and each context-parallel rank holds a shard of the "
+                          "row; allowed: cp_size 1, or no neftune_noise_alpha")
     if cfg.fp8.enabled and not cfg.fp8.emulate and cfg.dataset.seq_length % 16:
         raise ConfigError(f"dataset.seq_length: {cfg.dataset.seq_length} with fp8.enabled; FP8 matrix multiplies take "
                           "dimensions that are multiples of 16; allowed: a multiple of 16 (e.g. "

@@ -579,7 +579,6 @@ _DROPPED: Final[dict[tuple[str, str], str]] = {
 _NOT_IN_REMAT: Final[dict[str, str]] = {
     "quantization": "quantised training (QAT / FP8 weights); remat trains bfloat16, float16 or float32 weights: remove "
                     "the section",
-    "neftune": "NEFTune's noise on the embeddings; remat trains without it: remove the section",
     "embedding_row_repair": "NeMo's repair of new token embeddings; remat leaves the embeddings as loaded: remove it",
 }
 
@@ -594,6 +593,13 @@ def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     for key, why in _NOT_IN_REMAT.items():
         if key in out:
             refused.append(f"{key}: {why}")
+    neftune = out.pop("neftune", None)
+    if isinstance(neftune, Mapping) and set(neftune) <= {"noise_alpha"} and neftune.get("noise_alpha") is not None:
+        _section(out, "training")["neftune_noise_alpha"] = neftune["noise_alpha"]
+        said.append(f"neftune.noise_alpha {neftune['noise_alpha']} -> training.neftune_noise_alpha (transformers' "
+                    "NEFTune hook on the input embeddings)")
+    elif neftune is not None:
+        refused.append(f"neftune: {neftune!r}; allowed: {{noise_alpha: A}} (training.neftune_noise_alpha)")
     fp8 = out.get("fp8")
     if isinstance(fp8, dict):
         if fp8.get("recipe_name", "") is None:  # NeMo's None is tensorwise scaling, remat's default
