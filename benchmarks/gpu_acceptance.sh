@@ -26,11 +26,11 @@ PY=${PYTHON:-python3}
 WHL=${WHEELS_DIR:-.whl}
 
 # Python packages a GPU image with torch and transformers may lack (remat's config validation, the kernel packages
-# the loss comparison calls, datasets for the data tests), at the versions this project tests (constraints.txt, the
+# the loss comparison calls, datasets for the data tests, torchao for FP8), at the versions this project tests (constraints.txt, the
 # cuda-kernels extra; dill and multiprocess as datasets pulls them in).
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
         datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
-        trl==1.16.0 accelerate==1.15.0)
+        trl==1.16.0 accelerate==1.15.0 torchao==0.18.0)
 
 fetch_wheels() {
   mkdir -p "$WHL"

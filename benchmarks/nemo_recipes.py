@@ -171,13 +171,16 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nemo", type=Path, required=True, help="a NeMo AutoModel checkout")
-    parser.add_argument("--skip-estimates", action="store_true")
+    parser.add_argument("--skip-estimates", action="store_true",
+                        help="sweep only; the table keeps the estimates of the last full run")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as empty:
         os.environ.update(HF_HUB_OFFLINE="1", HF_HOME=empty, HF_HUB_CACHE=str(Path(empty) / "hub"))
         results = sweep(args.nemo)
-    rows = [] if args.skip_estimates else estimates(args.nemo)
+    previous = args.out / "nemo_recipes.json"
+    rows = (json.loads(previous.read_text()).get("estimates", []) if previous.exists() else []) \
+        if args.skip_estimates else estimates(args.nemo)
     write(results, rows, args.out, args.nemo)
     print(f"wrote {args.out / 'nemo_recipes.md'}")
 

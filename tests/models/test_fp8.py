@@ -5,6 +5,7 @@ a NeMo AutoModel ``fp8`` section read as it is."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,27 @@ def test_a_nemo_fp8_section_is_read_as_it_is(tmp_path: Path) -> None:
     out, said = from_nemo(data)
     assert FP8Config.model_validate(out["fp8"]) == FP8Config(**{**section, "recipe_name": "tensorwise"})
     assert "fp8: read as it is (torchao's FP8 training of the linear layers, the same keys)" in said
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_fp8_on_a_gpu_trains_and_is_estimated(policy: str, tmp_path: Path) -> None:
+    """FP8 matrix multiplies (not emulated) on a GPU of compute capability 8.9 or later: 2 steps of finite losses,
+    and the estimate (``target="cuda"``) against the step's ``torch.cuda.max_memory_allocated`` within the estimate's
+    stated 3% (tests/estimate/test_estimate_vs_real.py's tolerance, cuBLAS workspaces included there)."""
+    from remat import estimate_memory
+    from remat.estimate.api import settings_from_recipe
+    from remat.models.fp8 import FP8_CAPABILITY
+    from remat.recipes.finetune import FinetuneRecipe
+
+    if torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        pytest.skip(f"FP8 needs compute capability {FP8_CAPABILITY}; this GPU has {torch.cuda.get_device_capability()}")
+    cfg = _recipe(tmp_path, policy, fp8={**FP8, "emulate": False}, model={"dtype": "bfloat16", "config": {
+        "hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}},
+        distributed={"device": "cuda", "activation_checkpointing": policy},
+        logging={"memory": "cuda", "metrics_file": None})
+    records = FinetuneRecipe(cfg).run().records
+    assert all(math.isfinite(r.loss) for r in records) and len(records) == 2
+    model, settings = settings_from_recipe(cfg, target="cuda", documents_per_row=2)
+    estimate = estimate_memory(model, settings).peak_bytes
+    assert abs(estimate - records[-1].mem_bytes) <= 0.03 * records[-1].mem_bytes, (estimate, records[-1].mem_bytes)

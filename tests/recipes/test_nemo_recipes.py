@@ -434,3 +434,17 @@ def test_an_estimate_answers_for_the_layout_remat_would_run_and_training_refuses
         "distributed.pipeline", "distributed.pp_size", "distributed.ep_size", "distributed.sequence_parallel"]
     assert "FSDP2 over the same GPUs instead (remat estimate RECIPE says what that layout holds per GPU)" in (
         str(info.value))
+
+
+def test_a_config_loaded_from_the_model_s_own_checkpoint_is_that_checkpoint_s() -> None:
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["model"]["config"] = {"_target_": "transformers.AutoConfig.from_pretrained",
+                               "pretrained_model_name_or_path": data["model"]["pretrained_model_name_or_path"],
+                               "trust_remote_code": True, "attn_implementation_new": "flash_attention_2",
+                               "_attn_implementation": "flash_attention_2"}
+    out, said = from_nemo(data)
+    assert "config" not in out["model"] and out["model"]["attn_implementation"] == "sdpa"
+    assert ("model.config (AutoConfig.from_pretrained of the same checkpoint): dropped (remat builds from that "
+            "checkpoint's config.json); its attention implementation -> model.attn_implementation") in said
+    data["model"]["config"]["pretrained_model_name_or_path"] = "other/model"  # another checkpoint's: not dropped
+    assert from_nemo(data)[0]["model"]["config"]["pretrained_model_name_or_path"] == "other/model"

@@ -624,6 +624,7 @@ def _extras_model(model: Any, said: list[str], refused: list[str]) -> None:
     if model.get("load_base_model") is True:
         del model["load_base_model"]
         said.append("model.load_base_model true: dropped (remat loads the weights of pretrained_model_name_or_path)")
+    _config_of_the_checkpoint(model, said)
     if model.get("attn_implementation") == "flash_attention_2":
         model["attn_implementation"] = "sdpa"
         said.append("model.attn_implementation flash_attention_2 -> sdpa (PyTorch's attention runs FlashAttention "
@@ -632,6 +633,31 @@ def _extras_model(model: Any, said: list[str], refused: list[str]) -> None:
     if mtp:
         refused.append(f"model.{mtp[0]}: multi-token prediction ({', '.join(mtp)}); remat trains the next-token "
                        "loss only: remove the keys")
+
+
+#: What NeMo's ``model.config: {_target_: AutoConfig.from_pretrained, ...}`` of the model's own checkpoint may hold
+#: besides the checkpoint: keys remat reads from the model section itself.
+_CONFIG_LOADER_KEYS: Final[frozenset[str]] = frozenset({"_target_", "pretrained_model_name_or_path", "trust_remote_code",
+                                                        "attn_implementation", "attn_implementation_new",
+                                                        "_attn_implementation"})
+
+
+def _config_of_the_checkpoint(model: dict[str, Any], said: list[str]) -> None:
+    """``model.config`` as transformers' ``AutoConfig.from_pretrained`` of the checkpoint ``model`` loads anyway: that
+    config is what remat builds from (dropped); an attention implementation in it is the model's own key."""
+    config = model.get("config")
+    if not (isinstance(config, Mapping) and str(config.get("_target_", "")).endswith("AutoConfig.from_pretrained")
+            and config.get("pretrained_model_name_or_path") == model.get("pretrained_model_name_or_path")
+            and set(config) <= _CONFIG_LOADER_KEYS):
+        return
+    del model["config"]
+    attention = {config.get(key) for key in ("attn_implementation", "attn_implementation_new",
+                                             "_attn_implementation")} - {None}
+    if len(attention) == 1 and "attn_implementation" not in model:
+        model["attn_implementation"] = attention.pop()
+    said.append("model.config (AutoConfig.from_pretrained of the same checkpoint): dropped (remat builds from that "
+                "checkpoint's config.json)" + ("; its attention implementation -> model.attn_implementation"
+                                               if "attn_implementation" in model else ""))
 
 
 def _extras_distributed(distributed: Any, said: list[str], refused: list[str]) -> None:
