@@ -23,17 +23,17 @@ def test_the_sweep_counts_what_is_accepted_and_what_is_refused_by_key(
     shutil.copy(HERE / "llama_packed_fused.yaml", examples / "accepted.yaml")
     refused = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
     refused["distributed"]["pp_size"] = 4
-    refused["embedding_row_repair"] = {"min_norm": 1e-4}
+    refused["quantization"] = {"enabled": True}
     (examples / "refused.yaml").write_text(yaml.safe_dump(refused))
     results = bench.sweep(tmp_path / "nemo")
     assert results["examples/llm_finetune/llama/accepted.yaml"]["code"] in (0, None)
     said = results["examples/llm_finetune/llama/refused.yaml"]
     assert said["code"] == 2 and [line.split(":", 1)[0] for line in said["refused"]] == [
-        "distributed.pp_size", "embedding_row_repair"], said
+        "distributed.pp_size", "quantization"], said
     bench.write(results, [], tmp_path / "out", tmp_path / "nemo")
     table = (tmp_path / "out" / "nemo_recipes.md").read_text()
     assert "2 recipes: **1 accepted as written**, 1 refused in one round, 0 tracebacks" in table
-    assert "| `distributed.pp_size` | 1 |" in table and "| `embedding_row_repair` | 1 |" in table
+    assert "| `distributed.pp_size` | 1 |" in table and "| `quantization` | 1 |" in table
     assert json.loads((tmp_path / "out" / "nemo_recipes.json").read_text())["estimates"] == []
 
 

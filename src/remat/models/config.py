@@ -13,6 +13,7 @@ from remat._files import read_regular_bytes
 from remat.config_base import StrictModel
 from remat.errors import ConfigError
 from remat.hub import hub_config_file, is_hub_id
+from remat.models.embedding_repair import EmbeddingRowRepair
 from remat.models.presets import get_preset, preset_names
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ class ModelConfig(StrictModel):
     """The loss needs the last hidden states instead of logits (fused linear cross-entropy)."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped with the pretrained model (a local directory or a Hub repository)."""
+    embedding_row_repair: EmbeddingRowRepair | None = None
+    """Repair the pretrained input-embedding rows left at (near) zero from the output embeddings
+    (`remat.models.embedding_repair`); null: load the weights as they are."""
 
     @field_validator("pretrained_model_name_or_path")
     @classmethod

@@ -25,6 +25,7 @@ from remat.errors import ConfigError
 from remat.loss import loss_input
 from remat.models import build_model
 from remat.models.document_attention import use_document_attention
+from remat.models.embedding_repair import repair_embedding_rows
 from remat.models.fp8 import apply_fp8
 from remat.recipes.config import CompileConfig, PeftConfig, RecipeConfig
 from remat.recipes.model_loss import CausalLMLoss
@@ -52,6 +53,8 @@ def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str
     `remat.models.document_attention`). ``simulated``: built on fake tensors for the estimate of another device (FP8
     is not refused for the CPU it is built on)."""
     model = build_model(cfg.model, vocab_size=vocab_size, device=device)
+    if cfg.model.embedding_row_repair is not None and not simulated:  # the weights as loaded (fake ones hold none)
+        repair_embedding_rows(model, cfg.model.embedding_row_repair)
     use_document_attention(model, cfg.model.document_attention, packed=cfg.dataset.packing)
     if cfg.fp8.enabled:  # before LoRA wraps the linear layers: the base layers run in FP8, the adapters do not
         apply_fp8(model, cfg.fp8, device, check_device=not simulated)

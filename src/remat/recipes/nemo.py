@@ -579,7 +579,6 @@ _DROPPED: Final[dict[tuple[str, str], str]] = {
 _NOT_IN_REMAT: Final[dict[str, str]] = {
     "quantization": "quantised training (QAT / FP8 weights); remat trains bfloat16, float16 or float32 weights: remove "
                     "the section",
-    "embedding_row_repair": "NeMo's repair of new token embeddings; remat leaves the embeddings as loaded: remove it",
 }
 
 
@@ -593,6 +592,13 @@ def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     for key, why in _NOT_IN_REMAT.items():
         if key in out:
             refused.append(f"{key}: {why}")
+    repair = out.pop("embedding_row_repair", None)
+    if isinstance(repair, Mapping) and isinstance(out.get("model"), dict):
+        if repair.get("enabled", True) is not False:
+            out["model"]["embedding_row_repair"] = {key: value for key, value in repair.items() if key != "enabled"}
+        said.append("embedding_row_repair -> model.embedding_row_repair (the same repair of input-embedding rows "
+                    "left at zero, before anything wraps the model)" if repair.get("enabled", True) is not False
+                    else "embedding_row_repair: dropped (not enabled)")
     neftune = out.pop("neftune", None)
     if isinstance(neftune, Mapping) and set(neftune) <= {"noise_alpha"} and neftune.get("noise_alpha") is not None:
         _section(out, "training")["neftune_noise_alpha"] = neftune["noise_alpha"]

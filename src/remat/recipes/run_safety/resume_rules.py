@@ -45,6 +45,8 @@ RESUME_RULES: dict[str, Rule] = {
     "model.document_attention": _APPLIED,
     "model.output_hidden_states": _APPLIED,
     "model.trust_remote_code": _APPLIED,
+    "model.embedding_row_repair": Rule(IGNORED, ""),  # the pretrained weights as loaded; a resume loads its own
+    "model.embedding_row_repair.*": Rule(IGNORED, ""),
     "tokenizer.*": _TOKENIZER,
     "dataset.*": Rule(DATA, "compared by the content of the tokenized rows"),
     "dataset.shuffle": _DATA_ORDER,
