@@ -88,8 +88,9 @@ def sweep(nemo: Path) -> dict[str, dict[str, Any]]:
                 code = stop.code
             except Exception as crash:  # noqa: BLE001 (a traceback is what this counts)
                 code = f"traceback {type(crash).__name__}: {crash}"
-        refused = [line for line in err.getvalue().splitlines() if re.match(r"^[a-z_][\w.\[\]]*[:\s]", line)
-                   and not line.startswith(("[remat]", "error"))]
+        lines = [line.removeprefix("error: ") for line in err.getvalue().splitlines()]  # one problem: "error: KEY: ..."
+        refused = [line for line in lines if re.match(r"^[a-z_][\w.\[\]]*[:\s]", line)
+                   and not line.startswith(("[remat]", "a NeMo AutoModel recipe", "invalid recipe"))]
         results[str(path.relative_to(nemo))] = {"code": code, "refused": refused}
         print(f"[{index}/{len(recipes)}] {path.name}: {'accepted' if code in (0, None) else code}", file=sys.stderr)
     return results
