@@ -17,7 +17,7 @@ import yaml
 
 import remat
 
-from remat.distributed.rendezvous import WATCHDOG_EXIT_CODE, check_timeouts, restart_store
+from remat.distributed.rendezvous import WATCHDOG_EXIT_CODE, restart_store
 from remat.distributed import DistributedSetup
 from remat.errors import ConfigError, DistributedSetupError
 
@@ -114,12 +114,13 @@ def test_each_restart_joins_under_its_own_prefix_on_one_node() -> None:
 
 
 @pytest.mark.parametrize(("init", "collective", "message"), [
-    (0, None, "distributed.init_timeout_s: got 0; allowed: a positive number of seconds"),
-    (True, None, "distributed.init_timeout_s: got True"),
-    (10, -1, "distributed.timeout_s: got -1; allowed: null (torch's default) or a positive number of seconds"),
+    (0, None, "distributed.init_timeout_s: Input should be greater than or equal to 1 (got 0)"),
+    (True, None, "distributed.init_timeout_s: true or false is not a number of seconds; allowed: a number, at least 1 "
+                 "(got True)"),
+    (10, -1, "distributed.timeout_s: Input should be greater than or equal to 1 (got -1)"),
 ])
 def test_timeouts_are_checked(init: float, collective: float | None, message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_timeouts(init, collective)
-    check_timeouts(0.5, None)
-    check_timeouts(600, 60)
+    with pytest.raises(ConfigError) as info:  # the Python edge: the recipe's rules, one line naming the key
+        DistributedSetup.build(device="cpu", init_timeout_s=init, timeout_s=collective)
+    assert str(info.value) == message
+    assert DistributedSetup.build(device="cpu", init_timeout_s=600, timeout_s=60).device.type == "cpu"

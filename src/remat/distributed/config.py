@@ -21,6 +21,7 @@ from pydantic import (
     PositiveInt,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -177,6 +178,13 @@ class DistributedConfig(StrictModel):
     least 1 s: below that no group forms (torchrun's stack trace, in the trial)."""
     timeout_s: float | None = Field(default=None, ge=1.0)
     """The collectives' time limit; null: torch's default (30 minutes for gloo, 10 for NCCL); at least 1 s."""
+
+    @field_validator("init_timeout_s", "timeout_s", mode="before")
+    @classmethod
+    def _seconds_not_a_flag(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would read true as 1 second
+            raise ValueError("true or false is not a number of seconds; allowed: a number, at least 1")
+        return value
 
     @model_validator(mode="before")
     @classmethod

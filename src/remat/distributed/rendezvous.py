@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from remat.errors import ConfigError, DistributedSetupError
+from remat.errors import DistributedSetupError
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +40,6 @@ INIT_TIMEOUT_S = 600.0
 WATCHDOG_EXIT_CODE = 2
 #: The watchdog fires this long after the setup limit, so that torch's own timeout (a clean error) comes first.
 WATCHDOG_GRACE_S = 15.0
-
-
-def check_timeouts(init_timeout_s: float, timeout_s: float | None) -> None:
-    """ConfigError naming ``distributed.init_timeout_s`` / ``distributed.timeout_s`` unless positive numbers."""
-    for key, value, allowed in (("init_timeout_s", init_timeout_s, "a positive number of seconds"),
-                                ("timeout_s", timeout_s, "null (torch's default) or a positive number of seconds")):
-        if value is None and key == "timeout_s":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"distributed.{key}: got {value!r}; allowed: {allowed}")
 
 
 def restart_store(environ: Mapping[str, str] | None = None, *,
