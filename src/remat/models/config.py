@@ -165,7 +165,8 @@ def with_concrete_dtype(cfg: ModelConfig) -> ModelConfig:
         source = cfg.pretrained_model_name_or_path
         mapping, where = _checkpoint_config_json(source), f"{source}'s config.json"
     else:
-        mapping, where = {**(get_preset(cfg.preset).config if cfg.preset else {}), **(cfg.config or {})}, "model.config"
+        mapping = {**(get_preset(cfg.preset).config if cfg.preset else {}), **(cfg.config or {})}
+        where = "model.config" if cfg.config else f"the preset {cfg.preset}"
     named = str(mapping.get("dtype") or mapping.get("torch_dtype") or "float32").removeprefix("torch.")
     if named not in get_args(ParamDtype):
         raise ConfigError(f"model.dtype: auto is {named!r} in {where}, which remat does not train in; allowed: "
