@@ -48,6 +48,20 @@ def test_print_config_fills_defaults(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "max_steps: 5" in out and "_target_: torch.optim.AdamW" in out
 
 
+def test_print_config_reads_the_recipe_and_warns_of_a_data_file_not_there_which_a_run_refuses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {preset: tiny-llama}\ndataset: {path: ./data/train.jsonl, seq_length: 32}\n")
+    assert main(["finetune", str(recipe), "--print-config"]) == 0
+    assert "path: ./data/train.jsonl" in capsys.readouterr().out
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "dataset.path: './data/train.jsonl' does not exist; expected a .jsonl file, a directory of them, a "
+        "datasets.save_to_disk directory, or a Hugging Face Hub dataset id (org/name) (printed anyway: a run refuses "
+        "it until it exists)"]
+    assert main(["finetune", str(recipe), "--output_dir", str(tmp_path / "out")]) == 2
+    assert "error: dataset.path: './data/train.jsonl' does not exist" in capsys.readouterr().err
+
+
 def test_every_example_recipe_validates(capsys: pytest.CaptureFixture[str]) -> None:
     examples = sorted((ROOT / "examples").glob("*.yaml"))
     assert examples

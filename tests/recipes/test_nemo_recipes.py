@@ -256,7 +256,6 @@ def test_torch_dtype_auto_is_the_checkpoint_s_dtype(tmp_path: Path) -> None:
     ({"distributed": {"moe": {"ep_size": 8}}}, "distributed.moe: ep_size=8 asks for expert parallelism"),
     ({"distributed": {"mp_policy": {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.bfloat16"}}},
      "distributed.mp_policy: {'param_dtype': 'torch.bfloat16', 'reduce_dtype': 'torch.bfloat16'}; remat's"),
-    ({"checkpoint": {"dequantize_base_checkpoint": True}}, "checkpoint.dequantize_base_checkpoint: true"),
     ({"checkpoint": {"model_save_format": "pickle"}}, "checkpoint.model_save_format: 'pickle'; allowed:"),
 ])
 def test_what_remat_cannot_read_is_one_line_naming_the_key(change: dict[str, dict[str, object]],
@@ -283,15 +282,17 @@ def test_nemo_keys_that_ask_for_nothing_remat_lacks_are_mapped_or_dropped_with_a
                                          "param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}}
     data["checkpoint"] = {**data.get("checkpoint", {}), "model_save_format": "torch_save",
                           "dequantize_base_checkpoint": False}
+    data["distributed"]["strategy"] = "megatron_fsdp"
     data["step_scheduler"] = {**data.get("step_scheduler", {}), "gc_every_steps": 100}
     out, said = from_nemo(data)
-    assert out["distributed"]["mixed_precision"] == "bfloat16"
+    assert out["distributed"]["mixed_precision"] == "bfloat16" and out["distributed"]["strategy"] == "fsdp2"
     assert not {"pipeline", "moe", "mp_policy"} & set(out["distributed"])
     assert "gc_every_steps" not in out["step_scheduler"] and "model_save_format" not in out["checkpoint"]
     for start in ("distributed.mp_policy (param_dtype bfloat16, reduce_dtype float32) -> distributed.mixed_precision",
                   "distributed.pipeline: dropped", "distributed.moe: dropped",
                   "checkpoint.model_save_format torch_save: remat writes safetensors instead",
-                  "checkpoint.dequantize_base_checkpoint false: dropped", "step_scheduler.gc_every_steps 100: dropped"):
+                  "checkpoint.dequantize_base_checkpoint false: dropped", "step_scheduler.gc_every_steps 100: dropped",
+                  "distributed.strategy megatron_fsdp -> fsdp2 (PyTorch's FSDP2: the same sharding"):
         assert any(line.startswith(start) for line in said), (start, said)
 
 

@@ -79,7 +79,7 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int | tuple[Any,
     if args.trust_remote_code:  # the workers get it as the override, which the recipe loader accepts
         overrides += ["--model.trust_remote_code", "true"]
     data = load_recipe_data(args.recipe, overrides)  # before torch is imported: a mistake in the recipe is said at once
-    _check_before_start(data, options)
+    _check_before_start(data, options, printing=args.print_config)
     cfg = validate_recipe(data)
     if cfg.distributed.auto is not None:
         cfg = _plan_once(args, options, cfg)
@@ -173,23 +173,32 @@ def _run_recipe(recipe: Any, process: Any) -> int:
     return result.exit_code
 
 
-def _check_before_start(data: dict[str, Any], options: Any) -> None:
+def _check_before_start(data: dict[str, Any], options: Any, *, printing: bool = False) -> None:
     """What can be refused without torch (validating a recipe resolves its ``_target_``s, which loads it), refused
     before: missing data paths, and a ``distributed`` section that does not fit the launch (``--nproc-per-node 2`` on
-    a ``single`` recipe). Sections that do not validate are left to the recipe's own validation, which names them."""
+    a ``single`` recipe). Sections that do not validate are left to the recipe's own validation, which names them.
+    ``printing`` (``--print-config``, which reads the recipe, not the data, as it reads no Hub dataset either): a
+    missing data path is a WARNING line, and the run that would read it refuses it."""
     from pydantic import ValidationError
 
     from remat.data.config import DatasetConfig
     from remat.data.sources import check_paths_exist
     from remat.distributed.config import DistributedConfig, asks_for_auto
+    from remat.errors import ConfigError
 
     for key in ("dataset", "validation_dataset"):
         try:
             section = DatasetConfig.model_validate(data[key]) if isinstance(data.get(key), dict) else None
         except ValidationError:
             continue
-        if section is not None:
+        if section is None:
+            continue
+        try:
             check_paths_exist(section, key)
+        except ConfigError as err:
+            if not printing:
+                raise
+            logger.warning("%s (printed anyway: a run refuses it until it exists)", err)
     world_size = options.num_processes()
     dist = data.get("distributed", {})
     if isinstance(dist, dict) and dist.get("device") == "cpu":

@@ -79,6 +79,8 @@ def build_model(
     _check_vocab_argument(vocab_size)
     cfg = with_concrete_dtype(cfg)
     dtype: torch.dtype = getattr(torch, cfg.dtype)
+    if cfg.dequantize and cfg.source != "pretrained":
+        logger.info("model.dequantize: the %s's random weights are not quantised; nothing to dequantize", cfg.source)
     if cfg.source == "pretrained" and not meta:
         model = _load_pretrained(cfg, dtype, device, dict(pretrained_kwargs or {}))
         if vocab_size is not None:
@@ -264,12 +266,16 @@ def _load_pretrained(
     if not local:
         offline_unless_reachable()
     kwargs.setdefault("local_files_only", local)
-    if local and "config" not in kwargs:  # checked before any weight is read: shape numbers, size, weight dtypes
+    if "config" not in kwargs:
         config = _pretrained_config(cfg)
-        check_config_shape(type(config), config.to_dict(), prefix=f"{path}/config.json")
-        check_buildable(config, dtype.itemsize, device, _PRETRAINED_KEY)
-        _refuse_integer_weights(Path(path))
+        if local:  # checked before any weight is read: shape numbers, size, weight dtypes
+            check_config_shape(type(config), config.to_dict(), prefix=f"{path}/config.json")
+            check_buildable(config, dtype.itemsize, device, _PRETRAINED_KEY)
+            if getattr(config, "quantization_config", None) is None:  # a quantised one: `_dequantizing`
+                _refuse_integer_weights(Path(path))
         kwargs["config"] = config
+    if "quantization_config" not in kwargs:  # one the caller passes (a QLoRA BitsAndBytesConfig, say) is theirs
+        kwargs.update(_dequantizing(cfg, kwargs["config"], path, dtype))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
@@ -285,6 +291,45 @@ def _load_pretrained(
                           "(weights_only=True refused it): convert the weights to safetensors where you trust them "
                           "(save_pretrained writes model.safetensors)") from err
     return model.to(device)
+
+
+# NOTE [ Quantised checkpoints ]
+# Some checkpoints are published quantised (DeepSeek's FP8 blocks, gpt-oss's MXFP4 experts): their config.json has a
+# `quantization_config`, and transformers would load them as quantised layers (or, without a GPU, dequantise FP8 with
+# a warning), which remat does not train. `model.dequantize: true` (NeMo's `checkpoint.dequantize_base_checkpoint`)
+# asks transformers' own quantizer to dequantise every weight to `model.dtype` as it loads (its `dequantize` flag, set
+# on the checkpoint's own quantization settings), so the model trains like any float checkpoint and saves without a
+# `quantization_config`. A quantised checkpoint without the key, or one whose method transformers cannot dequantise,
+# is refused before any weight is read; the key on a float checkpoint is said and does nothing.
+def _dequantizing(cfg: ModelConfig, config: PretrainedConfig, path: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The `from_pretrained` arguments that load ``path``'s quantised weights dequantised (see the NOTE)."""
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    raw = getattr(config, "quantization_config", None)
+    if raw is None:
+        if cfg.dequantize:
+            logger.info("model.dequantize: %s is not quantised; its weights load as they are", path)
+        return {}
+    settings = dict(raw) if isinstance(raw, Mapping) else raw.to_dict()
+    method = settings.get("quant_method") or ("bitsandbytes" if settings.get("load_in_4bit")
+                                              or settings.get("load_in_8bit") else "unknown")
+    if not cfg.dequantize:
+        raise ConfigError(f"{_PRETRAINED_KEY}: {path!r} is a quantised checkpoint ({method}); remat trains "
+                          "floating-point weights: set model.dequantize: true to load it dequantised to model.dtype, "
+                          "or give a float checkpoint")
+    try:
+        quantization = AutoQuantizationConfig.from_dict(settings)
+    except (ValueError, TypeError, ImportError) as err:
+        raise ConfigError(f"model.dequantize: cannot read {path!r}'s quantization_config ({method}): "
+                          f"{' '.join(str(err).split())[:300]}") from None
+    if not hasattr(quantization, "dequantize"):
+        raise ConfigError(f"model.dequantize: {path!r} is quantised with {method}, which transformers cannot "
+                          "dequantise as it loads; allowed: fp8, mxfp4, compressed-tensors or gguf checkpoints, or "
+                          "a float checkpoint")
+    quantization.dequantize = True
+    logger.info("model.dequantize: %s is quantised (%s); its weights are dequantised to %s as they load", path, method,
+                str(dtype).removeprefix("torch."))
+    return {"quantization_config": quantization}
 
 
 def _refuse_integer_weights(directory: Path) -> None:

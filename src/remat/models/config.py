@@ -70,6 +70,10 @@ class ModelConfig(StrictModel):
     embedding_row_repair: EmbeddingRowRepair | None = None
     """Repair the pretrained input-embedding rows left at (near) zero from the output embeddings
     (`remat.models.embedding_repair`); null: load the weights as they are."""
+    dequantize: bool = False
+    """Load a quantised pretrained checkpoint (FP8, MXFP4: its config.json has a ``quantization_config``) dequantised
+    to `dtype` by transformers' own quantizer; without it such a checkpoint is refused. Nothing to do for float
+    weights (said once)."""
 
     @field_validator("pretrained_model_name_or_path")
     @classmethod

@@ -23,7 +23,7 @@ A recipe is read as NeMo's when a ``_target_`` in it names ``nemo_automodel`` or
 - ``distributed.mp_policy`` (FSDP2's ``MixedPrecisionPolicy``, reduce in float32) -> ``distributed.mixed_precision``;
   ``distributed.pipeline`` / ``distributed.moe`` sections whose sizes are 1 are dropped (larger sizes refused);
 - ``checkpoint``: ``model_save_format`` (``safetensors``, or ``torch_save`` said to be replaced by safetensors) and
-  ``save_consolidated`` are what remat writes anyway; ``dequantize_base_checkpoint: false`` is dropped;
+  ``save_consolidated`` are what remat writes anyway; ``dequantize_base_checkpoint`` is ``model.dequantize``;
 - ``step_scheduler.gc_every_steps`` is dropped;
 - ``lr_scheduler``: ``lr_decay_style`` -> ``decay``, ``lr_warmup_steps`` -> ``warmup_steps``, ``min_lr`` ->
   ``min_lr_ratio`` (over ``optimizer.lr``);
@@ -681,8 +681,10 @@ def _extras_distributed(distributed: Any, said: list[str], refused: list[str]) -
     elif distributed.pop("reshard_after_forward", None) is not None:
         said.append("distributed.reshard_after_forward true: dropped (what remat's FSDP2 does)")
     if distributed.get("strategy") == "megatron_fsdp":
-        refused.append("distributed.strategy: 'megatron_fsdp' is Megatron's FSDP; allowed: fsdp2 (PyTorch's, "
-                       "the same sharding of parameters, gradients and optimizer state), ddp or single")
+        distributed["strategy"] = "fsdp2"
+        said.append("distributed.strategy megatron_fsdp -> fsdp2 (PyTorch's FSDP2: the same sharding of parameters, "
+                    "gradients and optimizer state over the data-parallel ranks, the same training; Megatron FSDP's "
+                    "own bucketing and overlap are not reproduced, so step times and buffers may differ)")
 
 
 def _packing_options(packed: Mapping[str, Any], said: list[str], refused: list[str]) -> None:
@@ -724,9 +726,9 @@ def _checkpoint(out: dict[str, Any], said: list[str], refused: list[str]) -> Non
     if "dequantize_base_checkpoint" in section:
         value = section.pop("dequantize_base_checkpoint")
         if value:
-            refused.append("checkpoint.dequantize_base_checkpoint: true dequantises a quantised (e.g. FP8) base "
-                           "checkpoint while loading; remat loads floating-point weights only (a quantised one is "
-                           "refused by name): give a bf16/fp32 checkpoint and remove the key")
+            _section(out, "model")["dequantize"] = True
+            said.append("checkpoint.dequantize_base_checkpoint true -> model.dequantize true (a quantised checkpoint, "
+                        "FP8 or MXFP4, is dequantised by transformers as it loads; a float one loads as it is)")
         else:
             said.append("checkpoint.dequantize_base_checkpoint false: dropped (remat loads floating-point weights)")
     if "save_consolidated" in section:

@@ -47,6 +47,7 @@ RESUME_RULES: dict[str, Rule] = {
     "model.trust_remote_code": _APPLIED,
     "model.embedding_row_repair": Rule(IGNORED, ""),  # the pretrained weights as loaded; a resume loads its own
     "model.embedding_row_repair.*": Rule(IGNORED, ""),
+    "model.dequantize": Rule(IGNORED, ""),  # how the pretrained weights load; a resume loads its own
     "tokenizer.*": _TOKENIZER,
     "dataset.*": Rule(DATA, "compared by the content of the tokenized rows"),
     "dataset.shuffle": _DATA_ORDER,
