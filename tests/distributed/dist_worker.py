@@ -5,7 +5,8 @@ parameters are sharded, then trains with the FSDP2 options the recipe schema doe
 reduction, bf16 mixed precision, CPU offload) through the Python API; ``resume`` trains a run straight, and the same
 run crashing after its step-4 checkpoint and resumed, for fsdp2 and ddp, and stops a run from one rank; ``nccl`` trains
 a few parity cases on 2 GPUs; ``corrupt`` resumes past a corrupted fsdp2 shard; ``context`` trains
-``CONTEXT_CASES`` with ``cp_size`` 2 and resumes a crashed ``cp_size`` 2 run with ``cp_size`` 2 and with 1. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
+``CONTEXT_CASES`` with ``cp_size`` 2 and resumes a crashed ``cp_size`` 2 run with ``cp_size`` 2 and with 1; ``lora``
+trains LoRA adapters under FSDP2 straight and crashed-and-resumed. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
 writes ``<mode>_rank<r>.json`` into OUT_DIR; the tests read and judge them.
 """
 
@@ -280,11 +281,30 @@ def damaged_rank_file(out: Path) -> dict[str, Any]:
     return resume_saying(recipe, first)
 
 
+def lora_recipe(output_dir: Path, strategy: str = "fsdp2") -> dict[str, Any]:
+    """The tiny recipe with LoRA adapters (rank 4 on every linear layer), checkpointed every 2 of 4 steps."""
+    return tiny_recipe(output_dir, strategy=strategy, checkpointing="full", max_steps=4, peft={"r": 4},
+                       step_scheduler={"ckpt_every_steps": 2, "val_every_steps": None},
+                       checkpoint={"enabled": True, "keep_last": 3})
+
+
+def lora(out: Path) -> dict[str, Any]:
+    """LoRA under FSDP2: a straight run, and the same run crashing after its step-2 checkpoint and resumed."""
+    _, straight = train(lora_recipe(out / "straight"))
+    try:
+        train(lora_recipe(out / "crashed"), callbacks=[crash_at(3)])
+        raise AssertionError("the crash callback did not fire")
+    except Crash:
+        pass
+    job, resumed = train(lora_recipe(out / "crashed"))
+    return {"straight": curve(straight), "resumed": curve(resumed), "resumed_from": str(job.resumed_from)}
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard,
-              "damaged_rank_file": damaged_rank_file, "context": context}[mode](out)
+              "damaged_rank_file": damaged_rank_file, "context": context, "lora": lora}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     leave_process_group()
 

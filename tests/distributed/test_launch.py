@@ -73,7 +73,6 @@ def test_existing_torchrun_is_detected_and_not_relaunched() -> None:
     (["--step_scheduler.global_batch_size", "12"],
      "step_scheduler.global_batch_size: 12 is not local_batch_size (4) x dp_size (2, of 2 processes) x an integer "
      "number of accumulation steps; allowed: a multiple of 8"),
-    (["--peft", "{r: 4}"], "distributed.strategy: 'fsdp2' with a peft section is not supported yet"),
 ])
 def test_layout_errors_come_before_any_worker_starts(overrides: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str],

@@ -1,22 +1,18 @@
-"""A recipe against the number of processes it runs on (strategy, parallel sizes, batch sizes, peft), without torch
+"""A recipe against the number of processes it runs on (strategy, parallel sizes, batch sizes), without torch
 (but for ``cp_size`` > 1, whose heads are read from the model's config): the launcher checks it before any worker
 starts, each worker again before it builds anything."""
 
 from __future__ import annotations
 
 from remat.distributed.layout import check_heads, world_layout
-from remat.errors import ConfigError
 from remat.recipes.config import RecipeConfig
 
 
 def check_parallel_layout(cfg: RecipeConfig, world_size: int) -> tuple[int, int]:
     """(data-parallel size, gradient-accumulation steps) of the recipe on ``world_size`` processes; ConfigError naming
-    the key when the ``distributed`` section, the batch sizes or peft do not fit them."""
+    the key when the ``distributed`` section or the batch sizes do not fit them."""
     d = cfg.distributed
     dp_size = world_layout(d.strategy, d.dp_size, d.tp_size, d.cp_size, world_size=world_size)
-    if cfg.peft is not None and cfg.distributed.strategy == "fsdp2":
-        raise ConfigError("distributed.strategy: 'fsdp2' with a peft section is not supported yet (sharded "
-                          "checkpoints of adapters); allowed with peft: 'ddp' or 'single'")
     accumulation = cfg.step_scheduler.accumulation_steps(dp_size, world_size)
     if d.cp_size > 1:
         _check_context_heads(cfg)

@@ -3,7 +3,9 @@
 Layout of one checkpoint, ``<root>/step_<N>/`` (same protocol as `remat.training_state.single`)::
 
     dcp/                    model and optimizer state, each rank writing its own shards (DCP's format)
-    model/                  the whole model in transformers' format (gathered to rank 0): AutoModelForCausalLM loads it
+    model/                  the whole model in transformers' format (gathered to rank 0): AutoModelForCausalLM loads it;
+                            for a peft model, the adapter merged into the base weights
+    adapter/                peft models only: the adapter in peft's format (gathered to rank 0)
     scheduler.pt            lr_scheduler.state_dict()            (if a scheduler was given)
     train_state.json        the caller's `train_state`
     rng/rank_<r>.pt         every rank's random generator states
@@ -15,6 +17,8 @@ other ranks wait for that. The directory must be on a file system every rank see
 
 The state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (fully qualified parameter names,
 DTensor shards), so a checkpoint loads onto a different number of ranks, or into a single process, as DCP reshards.
+A peft model's ``dcp/`` holds its trainable tensors only (the adapters and their optimizer state): the frozen base is
+the pretrained checkpoint the run is built from again, as a single-process checkpoint restores the adapter alone.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from transformers import PreTrainedModel
 
 from remat.errors import ConfigError
 from remat.training_state.layout import (
+    ADAPTER_DIR,
     LATEST_FILE,
     LAYOUT_SHARDED,
     MODEL_DIR,
@@ -56,6 +61,7 @@ from remat.training_state.layout import (
     is_peft_model,
     prune,
     publish,
+    quiet_progress_bars,
     read_marker,
     remove_stale_work_dirs,
     resolve_checkpoint,
@@ -97,9 +103,7 @@ def save_sharded_checkpoint(
     """
     check_save_arguments(step, keep_last)
     inner = unwrap_model(model)
-    if is_peft_model(inner):
-        raise ConfigError("peft: sharded (fsdp2) checkpoints of peft models are not supported yet; allowed: "
-                          "distributed.strategy ddp or single with peft")
+    peft = is_peft_model(inner)
     root = Path(root)
     tmp = _agree_on_temp_dir(root, step)
     try:
@@ -113,7 +117,7 @@ def save_sharded_checkpoint(
         _barrier()
         final = root / checkpoint_name(step)
         if _rank() == 0:
-            write_marker(tmp, step, peft=False, layout=LAYOUT_SHARDED, extra={"world_size": _world_size()})
+            write_marker(tmp, step, peft=peft, layout=LAYOUT_SHARDED, extra={"world_size": _world_size()})
             fsync_tree(tmp)
             publish(tmp, final)
             atomic_write_text(root / LATEST_FILE, final.name + "\n")
@@ -149,8 +153,12 @@ def load_sharded_checkpoint(
     if marker.get("layout") != LAYOUT_SHARDED:
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
                           "remat.training_state.single.load_checkpoint")
-    train_state, scheduler_state, rng_state = _agreed(lambda: _small_files(path, lr_scheduler is not None))
     inner = unwrap_model(model)
+    if is_peft_model(inner) != bool(marker.get("peft")):
+        saved = "a peft adapter" if marker.get("peft") else "full model weights"
+        given = "a peft model" if is_peft_model(inner) else "a model without peft adapters"
+        raise ConfigError(f"checkpoint {path} holds {saved} but {given} was given; build the model the same way.")
+    train_state, scheduler_state, rng_state = _agreed(lambda: _small_files(path, lr_scheduler is not None))
     model_state, optim_state = _state_dicts(inner, optimizer)
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
@@ -166,10 +174,12 @@ def load_sharded_checkpoint(
     except (RuntimeError, ValueError, KeyError) as err:
         raise ConfigError(f"checkpoint {path} does not fit this model/optimizer: {err}; build them the same way "
                           "as the run that saved it") from err
+    options = _options(inner)
     if optimizer is not None:
-        set_state_dict(inner, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(inner, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
     else:
-        set_state_dict(inner, (), model_state_dict=state["model"], optim_state_dict={})
+        set_state_dict(inner, (), model_state_dict=state["model"], optim_state_dict={}, options=options)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(scheduler_state)
     restore_rng_state(rng_state)
@@ -217,16 +227,30 @@ def _agreed(read: Any) -> Any:
 
 
 def export_full_model(model: nn.Module, directory: Path, *, tokenizer: Any | None = None) -> None:
-    """Gather the whole model (a collective) and write it on rank 0 with ``save_pretrained`` into `directory`."""
+    """Gather the whole model (a collective) and write it on rank 0 with ``save_pretrained`` into `directory`; a peft
+    model's adapter goes next to it, in ``adapter/``, and ``directory`` holds the adapter merged into the base
+    (`remat.training_state.peft_merge`)."""
     inner = unwrap_model(model)
-    if not isinstance(inner, PreTrainedModel):
-        raise TypeError(f"export_full_model needs a transformers model; got {type(inner).__name__}")
+    peft = is_peft_model(inner)
+    if not peft and not isinstance(inner, PreTrainedModel):
+        raise TypeError(f"export_full_model needs a transformers or peft model; got {type(inner).__name__}")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(inner, options=options)
-    if _rank() == 0:
+    if _rank() != 0:
+        return
+    if peft:
+        from peft import get_peft_model_state_dict
+
+        from remat.training_state.peft_merge import merged_state_dict
+
+        with quiet_progress_bars():
+            inner.save_pretrained(directory.parent / ADAPTER_DIR,
+                                  state_dict=get_peft_model_state_dict(inner, state_dict=full))
+        save_hf_model(inner.get_base_model(), directory, state_dict=merged_state_dict(inner, full))
+    else:
         save_hf_model(inner, directory, state_dict=full)
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, directory)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, directory)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -246,10 +270,21 @@ def _first_failure(err: CheckpointException) -> Exception:
     return RuntimeError(f"reading the checkpoint failed with {type(failure).__name__}: {text}")
 
 
+def _options(model: nn.Module) -> StateDictOptions:
+    """A peft model's frozen base is left out of the sharded state (the module docstring); a model's own, kept."""
+    if is_peft_model(model):
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return StateDictOptions()
+
+
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
     if optimizer is None:
-        return get_model_state_dict(model), {}
-    model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_model_state_dict(model, options=_options(model)), {}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
+    if is_peft_model(model):  # a frozen weight tied to another (the output head) is not one `ignore_frozen_params` drops
+        trainable = {name for name, param in model.named_parameters(remove_duplicate=False) if param.requires_grad}
+        model_state = {name: value for name, value in model_state.items() if name in trainable}
     return model_state, optim_state
 
 
