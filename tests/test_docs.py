@@ -80,6 +80,7 @@ CONTEXT: dict[tuple[str, int], str] = {
                            "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)\n"
                            "tokenizer = build_tokenizer(TokenizerConfig(vocab_size=512))\n"
                            "batches = StatefulBatchIterator([{'input_ids': ids[0], 'labels': ids[0]}] * 4, batch_size=2)\n",
+    ("docs/models.md", 3): "from tiny import tiny_causal_lm\ntiny_causal_lm().save_pretrained('my-model')\n",
     ("docs/planner.md", 0): _TINY,
     ("README.md", 1): "from test_docs import tiny_trainer\nimport remat\ntrainer = tiny_trainer()\n",
 }

@@ -71,3 +71,21 @@ def tiny_recipe(**sections: Any) -> dict[str, Any]:
         else:
             recipe[name] = copy.deepcopy(value)
     return recipe
+
+
+def recipe_step_gradients(recipe: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of a validated recipe's model (built after ``torch.manual_seed(0)``) on the estimate's synthetic
+    batch, as a recipe's run builds it: (the loss, each parameter's gradient by name). Two recipes that differ only
+    in their checkpointing policy must give equal ones."""
+    from remat.distributed import DistributedSetup
+    from remat.estimate import StepSettings
+    from remat.estimate.simulate import make_batch
+    from remat.recipes.build import build_recipe_model, build_training_module
+
+    torch.manual_seed(0)
+    model = build_recipe_model(recipe, vocab_size=None)
+    root = build_training_module(model, recipe, DistributedSetup.from_config(recipe.distributed, device="cpu"))
+    batch = make_batch(recipe, StepSettings(target="cpu").run(), model.config.vocab_size)
+    loss = root(batch, num_label_tokens=int((batch["labels"] != -100).sum()))
+    loss.backward()
+    return float(loss.detach()), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

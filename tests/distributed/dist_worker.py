@@ -6,7 +6,7 @@ reduction, bf16 mixed precision, CPU offload) through the Python API; ``resume``
 run crashing after its step-4 checkpoint and resumed, for fsdp2 and ddp, and stops a run from one rank; ``nccl`` trains
 a few parity cases on 2 GPUs; ``corrupt`` resumes past a corrupted fsdp2 shard; ``context`` trains
 ``CONTEXT_CASES`` with ``cp_size`` 2 and resumes a crashed ``cp_size`` 2 run with ``cp_size`` 2 and with 1; ``lora``
-trains LoRA adapters under FSDP2 straight and crashed-and-resumed. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
+trains LoRA adapters under FSDP2 straight and crashed-and-resumed; ``qlora`` trains them over 4-bit base weights. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
 writes ``<mode>_rank<r>.json`` into OUT_DIR; the tests read and judge them.
 """
 
@@ -300,11 +300,27 @@ def lora(out: Path) -> dict[str, Any]:
     return {"straight": curve(straight), "resumed": curve(resumed), "resumed_from": str(job.resumed_from)}
 
 
+def qlora_recipe(output_dir: Path, base: Path, strategy: str = "fsdp2") -> dict[str, Any]:
+    """``lora_recipe`` over the pretrained checkpoint ``base`` quantised to 4 bits (QLoRA), 3 steps, one checkpoint."""
+    recipe = lora_recipe(output_dir, strategy)
+    recipe["step_scheduler"]["max_steps"] = 3
+    recipe["model"] = {"pretrained_model_name_or_path": str(base),
+                       "quantization": {"load_in_4bit": True, "bnb_4bit_use_double_quant": True}}
+    return recipe
+
+
+def qlora(out: Path) -> dict[str, Any]:
+    """QLoRA under FSDP2 over the checkpoint the test wrote in ``out/base``."""
+    _, result = train(qlora_recipe(out / "run", out / "base"))
+    return curve(result)
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard,
-              "damaged_rank_file": damaged_rank_file, "context": context, "lora": lora}[mode](out)
+              "damaged_rank_file": damaged_rank_file, "context": context, "lora": lora,
+              "qlora": qlora}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     leave_process_group()
 

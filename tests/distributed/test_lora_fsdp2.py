@@ -61,3 +61,25 @@ def test_the_exports_equal_a_single_process_run_s(lora_run: tuple[list[dict[str,
         assert set(mine) == set(theirs), (folder, sorted(set(mine) ^ set(theirs))[:5])
         for name, tensor in theirs.items():
             torch.testing.assert_close(mine[name], tensor, atol=1e-5, rtol=1e-4, msg=f"{folder}: {name}")
+
+
+def test_qlora_under_fsdp2_trains_the_single_process_losses_and_exports_the_same_float_model(
+        tmp_path_factory: pytest.TempPathFactory, remat_cache: Path, tmp_path: Path) -> None:
+    """The 4-bit packed weights are sharded like any parameter and gathered with their layer's quantisation
+    constants (NOTE [ QLoRA in remat ]): 2 ranks train one process's losses; both exports are the same float model."""
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (the test extra installs it)")
+    from dist_worker import qlora_recipe
+    from tiny import tiny_causal_lm
+
+    out = tmp_path_factory.mktemp("qlora")
+    tiny_causal_lm(vocab_size=512).save_pretrained(out / "base")
+    reports = run_worker("qlora", out)
+    job = FinetuneRecipe(validate_recipe(qlora_recipe(tmp_path / "single", out / "base", strategy="single")))
+    single = [r.loss for r in job.run().records]
+    for report in reports:
+        torch.testing.assert_close(torch.tensor(report["loss"]), torch.tensor(single), atol=1e-5, rtol=0)
+    sharded = load_file(out / "run" / "checkpoints" / "step_3" / "model" / "model.safetensors")
+    theirs = load_file(tmp_path / "single" / "checkpoints" / "step_3" / "model" / "model.safetensors")
+    assert set(sharded) == set(theirs) and all(tensor.is_floating_point() for tensor in sharded.values())
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(sharded[name], tensor, atol=1e-5, rtol=1e-4, msg=name)

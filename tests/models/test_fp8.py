@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import tiny_recipe
+from tiny import recipe_step_gradients, tiny_recipe
 
 from remat.errors import ConfigError
 from remat.models.fp8 import FP8Config, apply_fp8, check_fp8_device
@@ -72,28 +72,13 @@ def test_a_device_without_fp8_matrix_multiplies_is_refused_before_the_data(tmp_p
         _recipe(tmp_path, fp8={**FP8, "enable_fsdp_float8_all_gather": True})
 
 
-def _gradients(recipe: Any) -> tuple[float, dict[str, torch.Tensor]]:
-    from remat.distributed import DistributedSetup
-    from remat.estimate import StepSettings
-    from remat.estimate.simulate import make_batch
-    from remat.recipes.build import build_recipe_model, build_training_module
-
-    torch.manual_seed(0)
-    model = build_recipe_model(recipe, vocab_size=None)
-    root = build_training_module(model, recipe, DistributedSetup.from_config(recipe.distributed, device="cpu"))
-    batch = make_batch(recipe, StepSettings(target="cpu").run(), model.config.vocab_size)
-    loss = root(batch, num_label_tokens=int((batch["labels"] != -100).sum()))
-    loss.backward()
-    return float(loss), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("policy", ["full", "selective", "mlp", {"mode": "full", "every_n_layers": 2}])
 def test_every_policy_s_fp8_gradients_equal_the_unchekpointed_fp8_step(policy: Any, tmp_path: Path) -> None:
-    loss, grads = _gradients(_recipe(tmp_path, "none"))
-    checkpointed_loss, checkpointed = _gradients(_recipe(tmp_path, policy))
+    loss, grads = recipe_step_gradients(_recipe(tmp_path, "none"))
+    checkpointed_loss, checkpointed = recipe_step_gradients(_recipe(tmp_path, policy))
     assert checkpointed_loss == loss and grads.keys() == checkpointed.keys() and len(grads) > 10
     assert all(torch.equal(grads[name], checkpointed[name]) for name in grads)
-    plain_loss, _ = _gradients(_recipe(tmp_path, "none", fp8={"enabled": False}))
+    plain_loss, _ = recipe_step_gradients(_recipe(tmp_path, "none", fp8={"enabled": False}))
     assert plain_loss != loss  # the FP8 casts are in the step
 
 

@@ -140,7 +140,7 @@ def test_an_uncached_hub_id_offline_is_one_line(offline_run: tuple[dict[str, Any
     report, _, stderr = offline_run
     advice = ("(HF_HUB_OFFLINE is set and 'tiny-org/not-cached' is not in the Hugging Face cache (")
     message = report["missing"]
-    assert message.startswith("model.pretrained_model_name_or_path: cannot load a causal LM for the Hub id "
+    assert message.startswith("model.pretrained_model_name_or_path: cannot read a transformers config for the Hub id "
                               f"'tiny-org/not-cached' {advice}")
     assert "`hf download tiny-org/not-cached`" in message and "\n" not in message
     assert report["cli_exit"] == 2  # the recipe stops at its first step that needs the repository: the tokenizer

@@ -210,6 +210,10 @@ def _model_config(model: ModelLike) -> ModelConfig:
 
 def _without_weights(cfg: ModelConfig) -> ModelConfig:
     """A pretrained model (a directory or a Hub id) is estimated from its config.json: weights are never read."""
+    if cfg.quantization is not None:
+        raise ConfigError("model.quantization: the estimate does not model 4-bit (bitsandbytes) weights yet; estimate "
+                          "the recipe without the section for an upper bound of the same step with the base weights "
+                          "in model.dtype")
     if cfg.source != "pretrained":
         return cfg
     source = cfg.pretrained_model_name_or_path or ""

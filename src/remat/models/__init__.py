@@ -11,6 +11,7 @@ from remat._lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     "resolve_model_config": "remat.models.build",
     "ModelConfig": "remat.models.config",
+    "QuantizationConfig": "remat.models.quantization",
     "build_model": "remat.models.build",
     "get_preset": "remat.models.presets",
     "preset_names": "remat.models.presets",
@@ -20,6 +21,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "resolve_model_config",
     "ModelConfig",
+    "QuantizationConfig",
     "build_model",
     "count_parameters",
     "get_preset",
@@ -32,3 +34,4 @@ if TYPE_CHECKING:
     from remat.models.build import build_model, count_parameters, resolve_model_config
     from remat.models.config import ModelConfig
     from remat.models.presets import get_preset, preset_names
+    from remat.models.quantization import QuantizationConfig

@@ -32,6 +32,7 @@ from remat.errors import ConfigError
 from remat.hub import hub_load_error, offline_unless_reachable
 from remat.models.config import ModelConfig, with_concrete_dtype
 from remat.models.presets import get_preset, preset_for_hub_id
+from remat.models.quantization import keep_one_layout
 from remat.models.shape import check_config_shape, check_buildable
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,9 @@ def _load_pretrained(
             if getattr(config, "quantization_config", None) is None:  # a quantised one: `_dequantizing`
                 _refuse_integer_weights(Path(path))
         kwargs["config"] = config
+    if cfg.quantization is not None and "quantization_config" not in kwargs:  # QLoRA: remat.models.quantization
+        kwargs["quantization_config"] = cfg.quantization.bitsandbytes_config(dtype)
+        kwargs.setdefault("device_map", {"": torch.device(device)})  # quantised on the device it loads to
     if "quantization_config" not in kwargs:  # one the caller passes (a QLoRA BitsAndBytesConfig, say) is theirs
         kwargs.update(_dequantizing(cfg, kwargs["config"], path, dtype))
     try:
@@ -290,7 +294,9 @@ def _load_pretrained(
                           "names more than tensors, which torch.load would run as code; remat loads weights only "
                           "(weights_only=True refused it): convert the weights to safetensors where you trust them "
                           "(save_pretrained writes model.safetensors)") from err
-    return model.to(device)
+    if "quantization_config" in kwargs:
+        keep_one_layout(model)
+    return model if "device_map" in kwargs else model.to(device)
 
 
 # NOTE [ Quantised checkpoints ]

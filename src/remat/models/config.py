@@ -15,6 +15,7 @@ from remat.errors import ConfigError
 from remat.hub import hub_config_file, is_hub_id
 from remat.models.embedding_repair import EmbeddingRowRepair
 from remat.models.presets import get_preset, preset_names
+from remat.models.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class ModelConfig(StrictModel):
     embedding_row_repair: EmbeddingRowRepair | None = None
     """Repair the pretrained input-embedding rows left at (near) zero from the output embeddings
     (`remat.models.embedding_repair`); null: load the weights as they are."""
+    quantization: QuantizationConfig | None = None
+    """Quantise the pretrained base weights to 4 bits as they load and train LoRA adapters over them (QLoRA,
+    bitsandbytes: `remat.models.quantization`); needs ``pretrained_model_name_or_path`` and a ``peft`` section."""
     dequantize: bool = False
     """Load a quantised pretrained checkpoint (FP8, MXFP4: its config.json has a ``quantization_config``) dequantised
     to `dtype` by transformers' own quantizer; without it such a checkpoint is refused. Nothing to do for float
@@ -107,6 +111,12 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:
+        if self.quantization is not None and self.pretrained_model_name_or_path is None:
+            raise ConfigError("model.quantization: quantises pretrained weights as they load; model.preset and "
+                              "model.config build random weights; allowed with model.pretrained_model_name_or_path")
+        if self.quantization is not None and self.dequantize:
+            raise ConfigError("model.quantization with model.dequantize: true; the one quantises the base weights as "
+                              "they load, the other loads a quantised checkpoint as floats; allowed: one of them")
         if self.pretrained_model_name_or_path is not None:
             if self.preset is not None or self.config is not None:
                 other = "model.preset" if self.preset is not None else "model.config"

@@ -152,6 +152,11 @@ def lora_section(model: nn.Module, *, caller: str) -> dict[str, Any] | None:
     """The recipe's ``peft`` section of a PEFT LoRA model, so that ``auto`` plans the step it runs (frozen base,
     trainable adapters, the optimizer over the adapters only, as `apply_lora` builds it); None for a model without
     adapters. Adapters the planner cannot build the same way are refused in one line that starts with ``caller``."""
+    from remat.models.quantization import is_quantized
+
+    if is_quantized(model):
+        raise ConfigError(f"{caller}: policy='auto' does not model 4-bit (bitsandbytes) weights yet; allowed: a fixed "
+                          "policy (full, selective, attention, mlp, every_n, sqrt)")
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         return None

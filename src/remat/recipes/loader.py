@@ -336,6 +336,8 @@ def _warn_once(message: str, *args: Any) -> None:
 
 
 def _check_cross_section(cfg: RecipeConfig) -> None:
+    if cfg.model.quantization is not None:
+        _check_quantization(cfg)
     if cfg.training.neftune_noise_alpha is not None and cfg.distributed.cp_size > 1:
         raise ConfigError(f"training.neftune_noise_alpha with distributed.cp_size {cfg.distributed.cp_size}: NEFTune "
                           "scales its noise by the row's length, and each context-parallel rank holds a shard of the "
@@ -358,6 +360,20 @@ def _check_cross_section(cfg: RecipeConfig) -> None:
         _warn_once("distributed.activation_checkpointing.tile_tokens: %d is not less than dataset.seq_length %d, "
                        "so a row is one tile and nothing is tiled; to tile it, lower tile_tokens (e.g. %d)", tile,
                        cfg.dataset.seq_length, max(1, cfg.dataset.seq_length // 4))
+
+
+def _check_quantization(cfg: RecipeConfig) -> None:
+    """QLoRA's rules between sections (`remat.models.quantization`)."""
+    if cfg.peft is None:
+        raise ConfigError("model.quantization: the 4-bit base weights are frozen, so nothing would train; add a peft "
+                          "section (LoRA adapters trained over them: QLoRA), e.g. peft: {r: 16}")
+    if cfg.fp8.enabled:
+        raise ConfigError("fp8.enabled with model.quantization; the base weights are either 4-bit (bitsandbytes) or "
+                          "FP8 (torchao); allowed: one of them")
+    if cfg.distributed.auto is not None:
+        raise ConfigError("distributed.activation_checkpointing: auto with model.quantization; the planner and the "
+                          "estimate do not model 4-bit weights yet; allowed: a fixed policy (full, selective, "
+                          "attention, mlp, every_n, sqrt) or false")
 
 
 def _check_schedule(cfg: RecipeConfig) -> None:

@@ -575,11 +575,6 @@ _DROPPED: Final[dict[tuple[str, str], str]] = {
     ("step_scheduler", "loss_average_window_steps"): "remat logs each step's loss; its report smooths the curve",
     ("step_scheduler", "save_checkpoint_every_epoch"): "remat saves every ckpt_every_steps and at the end of the run",
 }
-#: NeMo sections for what remat does not have, and what to do instead.
-_NOT_IN_REMAT: Final[dict[str, str]] = {
-    "quantization": "quantised training (QAT / FP8 weights); remat trains bfloat16, float16 or float32 weights: remove "
-                    "the section",
-}
 
 
 def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
@@ -589,9 +584,15 @@ def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
         if isinstance(section, dict) and key in section:
             section.pop(key)
             said.append(f"{section_name + '.' if section_name else ''}{key}: dropped ({why})")
-    for key, why in _NOT_IN_REMAT.items():
-        if key in out:
-            refused.append(f"{key}: {why}")
+    if "quantization" in out:
+        quantization = out.pop("quantization")
+        if isinstance(quantization, Mapping) and isinstance(out.get("model"), dict):
+            out["model"]["quantization"] = dict(quantization)
+            said.append("quantization -> model.quantization (the base weights quantised to 4 bits by bitsandbytes as "
+                        "they load, LoRA adapters trained over them: QLoRA; the same keys)")
+        else:
+            refused.append(f"quantization: {quantization!r}; allowed: a mapping of bitsandbytes keys (load_in_4bit, "
+                           "bnb_4bit_quant_type, ...), which remat reads as model.quantization")
     repair = out.pop("embedding_row_repair", None)
     if isinstance(repair, Mapping) and isinstance(out.get("model"), dict):
         if repair.get("enabled", True) is not False:

@@ -407,6 +407,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def check_peft_matches(path: Path, marker: dict[str, Any], model: nn.Module) -> None:
+    """ConfigError when the checkpoint's marker says adapters and ``model`` has none, or the other way round."""
+    if is_peft_model(model) != bool(marker.get("peft")):
+        saved = "a peft adapter" if marker.get("peft") else "full model weights"
+        given = "a peft model" if is_peft_model(model) else "a model without peft adapters"
+        raise ConfigError(f"checkpoint {path} holds {saved} but {given} was given; build the model the same way.")
+
+
 def is_peft_model(model: nn.Module) -> bool:
     try:
         from peft import PeftModel

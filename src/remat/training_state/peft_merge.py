@@ -13,12 +13,15 @@ shards, so peft's own ``merge_and_unload`` (what the single-process export uses)
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from remat.errors import ConfigError
+from remat.training_state.layout import save_hf_model
 
 _PREFIX = "base_model.model."
 
@@ -66,3 +69,33 @@ def _delta(name: str, module: Any, adapter: str, full: dict[str, torch.Tensor]) 
     a = full[f"{name}.lora_embedding_A.{adapter}"].float()
     b = full[f"{name}.lora_embedding_B.{adapter}"].float()
     return (b @ a).T * scaling
+
+
+def save_merged_export(peft_model: nn.Module, full: dict[str, torch.Tensor], directory: Path) -> None:
+    """The ``model/`` export of a LoRA run from the peft model's whole state ``full``: the adapter merged into the base
+    weights; 4-bit base weights (`remat.models.quantization`) dequantised first and written as a float model of the
+    model's dtype, without a ``quantization_config`` (what the run trained, loadable without bitsandbytes)."""
+    from remat.models.quantization import dequantized_weights, is_quantized
+
+    base = peft_model.get_base_model()
+    if not is_quantized(base):
+        save_hf_model(base, directory, state_dict=merged_state_dict(peft_model, full))
+        return
+    from transformers import AutoModelForCausalLM
+
+    dtype = base.get_input_embeddings().weight.dtype
+    merged = merged_state_dict(peft_model, dequantized_weights(peft_model, full, dtype))
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        twin = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    save_hf_model(twin, directory, state_dict=merged)
+
+
+def whole_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters and persistent buffers by name (a 4-bit layer's packed weight without the
+    quantisation constants its state dict adds), as a single process holds them."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    return {name: tensor.detach() for name, tensor in model.state_dict().items() if name in names}

@@ -55,6 +55,7 @@ from remat.training_state.layout import (
     TRAIN_STATE_FILE,
     atomic_write_text,
     capture_rng_state,
+    check_peft_matches,
     check_save_arguments,
     checkpoint_name,
     fsync_tree,
@@ -154,10 +155,7 @@ def load_sharded_checkpoint(
         raise ConfigError(f"checkpoint {path} is not sharded (layout {marker.get('layout', 'single')!r}); load it with "
                           "remat.training_state.single.load_checkpoint")
     inner = unwrap_model(model)
-    if is_peft_model(inner) != bool(marker.get("peft")):
-        saved = "a peft adapter" if marker.get("peft") else "full model weights"
-        given = "a peft model" if is_peft_model(inner) else "a model without peft adapters"
-        raise ConfigError(f"checkpoint {path} holds {saved} but {given} was given; build the model the same way.")
+    check_peft_matches(path, marker, inner)
     train_state, scheduler_state, rng_state = _agreed(lambda: _small_files(path, lr_scheduler is not None))
     model_state, optim_state = _state_dicts(inner, optimizer)
     state: dict[str, Any] = {"model": model_state}
@@ -241,12 +239,12 @@ def export_full_model(model: nn.Module, directory: Path, *, tokenizer: Any | Non
     if peft:
         from peft import get_peft_model_state_dict
 
-        from remat.training_state.peft_merge import merged_state_dict
+        from remat.training_state.peft_merge import save_merged_export
 
         with quiet_progress_bars():
             inner.save_pretrained(directory.parent / ADAPTER_DIR,
                                   state_dict=get_peft_model_state_dict(inner, state_dict=full))
-        save_hf_model(inner.get_base_model(), directory, state_dict=merged_state_dict(inner, full))
+        save_merged_export(inner, full, directory)
     else:
         save_hf_model(inner, directory, state_dict=full)
     if tokenizer is not None:

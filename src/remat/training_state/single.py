@@ -36,6 +36,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from remat.errors import ConfigError
+from remat.models.quantization import is_quantized
 from remat.training_state.data_only import load_weights_only
 from remat.training_state.layout import (
     ADAPTER_DIR,
@@ -48,6 +49,7 @@ from remat.training_state.layout import (
     TRAIN_STATE_FILE,
     atomic_write_text,
     capture_rng_state,
+    check_peft_matches,
     check_save_arguments,
     checkpoint_name,
     fsync_tree,
@@ -65,6 +67,7 @@ from remat.training_state.layout import (
     unwrap_model,
     write_marker,
 )
+from remat.training_state.peft_merge import save_merged_export, whole_state
 from remat.training_state.verify import raise_if_unverified
 
 logger = logging.getLogger(__name__)
@@ -132,10 +135,7 @@ def load_checkpoint(
         )
     inner = unwrap_model(model)
     is_peft = is_peft_model(inner)
-    if is_peft != bool(marker.get("peft")):
-        saved = "a peft adapter" if marker.get("peft") else "full model weights"
-        given = "a peft model" if is_peft else "a model without peft adapters"
-        raise ConfigError(f"checkpoint {path} holds {saved} but {given} was given; build the model the same way.")
+    check_peft_matches(path, marker, inner)
     train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
     rng_state = load_weights_only(path / RNG_STATE_FILE)
     optimizer_state = _read_state(path / OPTIMIZER_FILE, "optimizer") if optimizer is not None else None
@@ -165,7 +165,10 @@ def _write_contents(
     is_peft = is_peft_model(inner)
     if is_peft:
         inner.save_pretrained(directory / ADAPTER_DIR)
-        save_hf_model(_merged_copy(inner), directory / MODEL_DIR)
+        if is_quantized(inner):  # 4-bit base weights: dequantised, merged and written as floats
+            save_merged_export(inner, whole_state(inner), directory / MODEL_DIR)
+        else:
+            save_hf_model(_merged_copy(inner), directory / MODEL_DIR)
     elif isinstance(inner, PreTrainedModel):
         save_hf_model(inner, directory / MODEL_DIR)
     else:
