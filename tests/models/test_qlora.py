@@ -105,6 +105,8 @@ def test_a_crashed_run_resumes_the_same_curve_and_the_export_is_the_trained_mode
     ({"model": {"quantization": {"load_in_8bit": True}}}, "model.quantization.load_in_8bit: true; remat trains 4-bit"),
     ({"model": {"quantization": {"load_in_4bit": False}}}, "model.quantization.load_in_4bit: false leaves nothing"),
     ({"model": {"quantization": {}, "dequantize": True}}, "model.quantization with model.dequantize: true;"),
+    ({"model": {"quantization": {"bnb_4bit_quant_storage": "uint8"}}, "distributed": {"strategy": "fsdp2"}},
+     "model.quantization.bnb_4bit_quant_storage: 'uint8' under distributed.strategy fsdp2"),
     ({"model": {"preset": "tiny-llama", "quantization": {}}},
      "model.quantization: quantises pretrained weights as they load; model.preset and model.config build random"),
 ])

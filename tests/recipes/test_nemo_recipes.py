@@ -283,16 +283,22 @@ def test_nemo_keys_that_ask_for_nothing_remat_lacks_are_mapped_or_dropped_with_a
     data["checkpoint"] = {**data.get("checkpoint", {}), "model_save_format": "torch_save",
                           "dequantize_base_checkpoint": False}
     data["distributed"]["strategy"] = "megatron_fsdp"
+    data["distributed"].pop("activation_checkpointing", None)
+    data["parallelizer"] = {"_target_": "nemo_automodel.components.moe.parallelizer.parallelize_model",
+                            "activation_checkpointing": False}
     data["step_scheduler"] = {**data.get("step_scheduler", {}), "gc_every_steps": 100}
     out, said = from_nemo(data)
     assert out["distributed"]["mixed_precision"] == "bfloat16" and out["distributed"]["strategy"] == "fsdp2"
+    assert out["distributed"]["activation_checkpointing"] is False and "parallelizer" not in out
     assert not {"pipeline", "moe", "mp_policy"} & set(out["distributed"])
     assert "gc_every_steps" not in out["step_scheduler"] and "model_save_format" not in out["checkpoint"]
     for start in ("distributed.mp_policy (param_dtype bfloat16, reduce_dtype float32) -> distributed.mixed_precision",
                   "distributed.pipeline: dropped", "distributed.moe: dropped",
                   "checkpoint.model_save_format torch_save: remat writes safetensors instead",
                   "checkpoint.dequantize_base_checkpoint false: dropped", "step_scheduler.gc_every_steps 100: dropped",
-                  "distributed.strategy megatron_fsdp -> fsdp2 (PyTorch's FSDP2: the same sharding"):
+                  "distributed.strategy megatron_fsdp -> fsdp2 (PyTorch's FSDP2: the same sharding",
+                  "parallelizer._target_ parallelize_model (NeMo's MoE parallelizer) -> remat's own sharding",
+                  "parallelizer.activation_checkpointing false -> distributed.activation_checkpointing"):
         assert any(line.startswith(start) for line in said), (start, said)
 
 

@@ -8,7 +8,8 @@ AutoModel's ``quantization`` section, which has the same names).
 # layers compute in `bnb_4bit_compute_dtype`. The base weights are frozen, so a recipe with a quantization section
 # must train LoRA adapters (`peft`). Activation checkpointing wraps the blocks as for any model (remat's checkpoints
 # are non-reentrant: the frozen quantised weights need no input gradient trick). Under FSDP2 the packed weights are
-# sharded like any parameter, in whatever dtype they are stored (`bnb_4bit_quant_storage`); each layer keeps its
+# sharded like any parameter, stored in the model's dtype unless `bnb_4bit_quant_storage` says otherwise (FSDP2 makes
+# floating-point parameters of its shards; a uint8 one is refused under fsdp2); each layer keeps its
 # quantisation constants, so the gathered weight computes as the unsharded one does (2 gloo ranks train the losses of
 # one process). A checkpoint holds the adapters; its `model/` export is the dequantised base with the adapter merged,
 # in `model.dtype` (what the run trained, loadable anywhere). The planner and the estimate do not model 4-bit weights
@@ -44,8 +45,9 @@ class QuantizationConfig(StrictModel):
     """The dtype the quantised layers compute in; null: ``model.dtype``."""
     bnb_4bit_use_double_quant: bool = False
     """Quantise the blocks' absmax constants too (about 0.4 bits a weight less)."""
-    bnb_4bit_quant_storage: Literal["uint8", "float32", "bfloat16", "float16"] = "uint8"
-    """The dtype the packed 4-bit values are stored in (FSDP-QLoRA stores them in the model's dtype)."""
+    bnb_4bit_quant_storage: Literal["uint8", "float32", "bfloat16", "float16"] | None = None
+    """The dtype the packed 4-bit values are stored in; null: the model's (FSDP-QLoRA's layout: FSDP2 shards
+    floating-point parameters, torch 2.11's refuses a uint8 one)."""
 
     @model_validator(mode="after")
     def _four_bits(self) -> QuantizationConfig:
@@ -64,10 +66,11 @@ class QuantizationConfig(StrictModel):
 
         check_bitsandbytes()
         compute = getattr(torch, self.bnb_4bit_compute_dtype) if self.bnb_4bit_compute_dtype else dtype
+        storage = getattr(torch, self.bnb_4bit_quant_storage) if self.bnb_4bit_quant_storage else dtype
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=self.bnb_4bit_quant_type,
                                   bnb_4bit_compute_dtype=compute,
                                   bnb_4bit_use_double_quant=self.bnb_4bit_use_double_quant,
-                                  bnb_4bit_quant_storage=getattr(torch, self.bnb_4bit_quant_storage))
+                                  bnb_4bit_quant_storage=storage)
 
 
 def check_bitsandbytes() -> None:
@@ -112,6 +115,12 @@ def keep_one_layout(model: nn.Module) -> int:
     for module in layers:
         module.support_avx512bf16_for_cpu = False
     return len(layers)
+
+
+def packed_weights(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s 4-bit packed weights: bytes of two 4-bit codes each, stored in a float dtype when
+    ``bnb_4bit_quant_storage`` is one, so not numbers a finiteness check can read."""
+    return {id(module.weight) for module in model.modules() if type(module).__name__ == "Linear4bit"}
 
 
 def is_quantized(model: nn.Module) -> bool:

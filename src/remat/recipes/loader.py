@@ -370,6 +370,10 @@ def _check_quantization(cfg: RecipeConfig) -> None:
     if cfg.fp8.enabled:
         raise ConfigError("fp8.enabled with model.quantization; the base weights are either 4-bit (bitsandbytes) or "
                           "FP8 (torchao); allowed: one of them")
+    if cfg.model.quantization.bnb_4bit_quant_storage == "uint8" and cfg.distributed.strategy == "fsdp2":
+        raise ConfigError("model.quantization.bnb_4bit_quant_storage: 'uint8' under distributed.strategy fsdp2, which "
+                          "shards floating-point parameters; allowed: float32, bfloat16 or float16 (null: the model's "
+                          "dtype)")
     if cfg.distributed.auto is not None:
         raise ConfigError("distributed.activation_checkpointing: auto with model.quantization; the planner and the "
                           "estimate do not model 4-bit weights yet; allowed: a fixed policy (full, selective, "

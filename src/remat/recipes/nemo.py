@@ -111,7 +111,8 @@ def from_nemo(data: Mapping[str, Any], *, data_needed: bool = True,
     if not data_needed:
         _data_set_aside(out, said)
         _layout_for_estimate(out, said)
-    for step in (_top_level, _model, _loss, _distributed, _data, _checkpoint, _schedules, _peft, _extras):
+    for step in (_top_level, _model, _loss, _distributed, _parallelizer, _data, _checkpoint, _schedules, _peft,
+                 _extras):
         step(out, said, refused)
     named = {line.split(":", 1)[0] for line in refused}  # a key refused above is not said twice
     leftover = [f"{key}: {target!r}" for key, target in _targets_with_keys(out)
@@ -686,6 +687,34 @@ def _extras_distributed(distributed: Any, said: list[str], refused: list[str]) -
         said.append("distributed.strategy megatron_fsdp -> fsdp2 (PyTorch's FSDP2: the same sharding of parameters, "
                     "gradients and optimizer state over the data-parallel ranks, the same training; Megatron FSDP's "
                     "own bucketing and overlap are not reproduced, so step times and buffers may differ)")
+
+
+#: NeMo's parallelizers whose work is remat's own FSDP2 of each block (expert parallelism, what NeMo's MoE one adds,
+#: is ``distributed.ep_size``: refused above 1 on its own).
+_PARALLELIZERS: Final[frozenset[str]] = frozenset({"nemo_automodel.components.moe.parallelizer.parallelize_model"})
+
+
+def _parallelizer(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    """NeMo's ``parallelizer`` section: its MoE parallelizer is remat's FSDP2 of each block; its
+    ``activation_checkpointing`` the distributed section's."""
+    section = out.get("parallelizer")
+    if not isinstance(section, dict) or section.get("_target_") not in _PARALLELIZERS:
+        return  # another class: refused as NeMo's own with the other leftovers
+    out.pop("parallelizer")
+    said.append("parallelizer._target_ parallelize_model (NeMo's MoE parallelizer) -> remat's own sharding of each "
+                "block (distributed.strategy; expert parallelism is distributed.ep_size, which remat has not above 1)")
+    for key in sorted(set(section) - {"_target_", "activation_checkpointing"}):
+        refused.append(f"parallelizer.{key}: not an option remat's sharding has; allowed: activation_checkpointing")
+    if "activation_checkpointing" in section:
+        setting = section["activation_checkpointing"]
+        distributed = _section(out, "distributed")
+        current = distributed.setdefault("activation_checkpointing", setting)
+        if current != setting:
+            refused.append(f"parallelizer.activation_checkpointing: {setting!r} contradicts "
+                           f"distributed.activation_checkpointing {current!r}; allowed: one of them")
+        else:
+            said.append(f"parallelizer.activation_checkpointing {str(setting).lower()} -> "
+                        "distributed.activation_checkpointing")
 
 
 def _packing_options(packed: Mapping[str, Any], said: list[str], refused: list[str]) -> None:

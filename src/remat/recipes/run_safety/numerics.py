@@ -160,9 +160,14 @@ def _listed(names: list[str]) -> str:
 
 
 def _named_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterable[tuple[str, Tensor]]:
-    """(name, local floating-point tensor) for every non-empty parameter, buffer and optimizer-state tensor."""
+    """(name, local floating-point tensor) for every non-empty parameter, buffer and optimizer-state tensor; a 4-bit
+    layer's packed weight is codes, not numbers (`remat.models.quantization.packed_weights`)."""
+    from remat.models.quantization import packed_weights
+
     param_names = {id(p): name for name, p in model.named_parameters()}
-    items: list[tuple[str, Tensor]] = list(model.named_parameters()) + list(model.named_buffers())
+    packed = packed_weights(model)
+    items: list[tuple[str, Tensor]] = [(name, p) for name, p in model.named_parameters() if id(p) not in packed]
+    items += list(model.named_buffers())
     if optimizer is not None:
         for param, state in optimizer.state.items():
             owner = param_names.get(id(param), "a parameter")
