@@ -170,6 +170,36 @@ def test_nemo_s_dataset_builders_map_to_templates_and_what_remat_lacks_is_listed
         "dataset.streaming", "validation_dataset.answer_only_loss_mask", "packed_sequence.packed_sequence_size"], lines
 
 
+def test_nemo_s_agent_and_xlam_builders_are_the_tool_call_templates() -> None:
+    builder = "nemo_automodel.components.datasets.llm."
+    data = yaml.safe_load((HERE / "llama_squad.yaml").read_text())
+    data["dataset"] = {"_target_": builder + "agent_chat.make_agent_chat_dataset",
+                       "dataset_name": "llamafactory/glaive_toolcall_en", "split": "train", "seq_length": 4096,
+                       "filter_no_assistant": True, "trim_incomplete_last_turn": True,
+                       "tokenizer": {"pretrained_model_name_or_path": "meta-llama/Llama-3.2-1B"}}
+    data["validation_dataset"] = {"_target_": builder + "xlam.make_xlam_dataset", "split": "train[:256]",
+                                  "limit_dataset_samples": 256}
+    evaluator = "nemo_automodel.components.eval.tool_call_evaluator.ToolCallAccuracyEvaluator"
+    data["tool_call_eval"] = {"_target_": evaluator, "max_new_tokens": 256}
+    out, said = from_nemo(data)
+    assert out["dataset"] == {"path": "llamafactory/glaive_toolcall_en", "template": "agent_chat", "packing": False,
+                              "split": "train", "seq_length": 4096, "shuffle": False,
+                              "agent_chat": {"trim_incomplete_last_turn": True}}
+    assert out["validation_dataset"] == {"path": "Salesforce/xlam-function-calling-60k", "template": "xlam",
+                                         "packing": False, "split": "train[:256]", "max_samples": 256}
+    assert "tool_call_eval" not in out
+    line = next(line for line in said if line.startswith("dataset._target_ make_agent_chat_dataset"))
+    for part in ("seq_length 4096: remat cuts every row at it", "trim_incomplete_last_turn -> dataset.agent_chat",
+                 "filter_no_assistant dropped (a row without an assistant turn has no loss target"):
+        assert part in line, line
+    assert any(line.startswith("tool_call_eval: dropped (NeMo's tool-call accuracy evaluator") for line in said)
+    data["dataset"].update(filter_overlong=True, revision="refs/convert/parquet")
+    with pytest.raises(ConfigError) as info:
+        from_nemo(data)
+    assert [line.split(":")[0] for line in str(info.value).splitlines()[1:]] == [
+        "dataset.filter_overlong", "dataset.revision"]
+
+
 def test_every_problem_of_a_nemo_recipe_is_said_in_one_round(tmp_path: Path) -> None:
     """What NeMo's translation refuses and what the recipe's own validation would refuse next come in one error, each
     key once, and the keys NeMo writes out of habit (a remote-code flag, NeMo's own switches) are not among them."""

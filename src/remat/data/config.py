@@ -11,7 +11,9 @@ from remat.config_base import StrictModel
 DatasetFormat = Literal["auto", "text", "prompt_completion", "messages"]
 #: How each raw row becomes a prompt and an answer (`remat.data.templates`): the layouts of SQuAD and HellaSwag, or
 #: named columns (``column_mapping``).
-RowTemplate = Literal["squad", "hellaswag", "columns"]
+RowTemplate = Literal["squad", "hellaswag", "columns", "agent_chat", "xlam"]
+#: The templates whose rows are conversations with tool calls (a chat template is required).
+TOOL_TEMPLATES: tuple[str, ...] = ("agent_chat", "xlam")
 #: The roles ``column_mapping`` may name (NeMo's column-mapped instruction data): ``answer`` and at least one other.
 COLUMN_ROLES: tuple[str, ...] = ("context", "question", "answer")
 
@@ -47,6 +49,15 @@ class TokenizerConfig(StrictModel):
         return value
 
 
+class AgentChatOptions(StrictModel):
+    """``dataset.agent_chat``: how the ``agent_chat`` template shapes a trace (NeMo's ``make_agent_chat_dataset``)."""
+
+    trim_incomplete_last_turn: bool = False
+    """Drop the messages after the last assistant turn (an unfinished exchange)."""
+    drop_history_reasoning_content: bool = False
+    """Keep ``reasoning_content`` on the last assistant turn only, as a model never sees its earlier thinking."""
+
+
 class DatasetConfig(StrictModel):
     """Which rows to read, how to interpret them, and how to cut them into training examples.
 
@@ -55,7 +66,8 @@ class DatasetConfig(StrictModel):
     ``name`` its configuration; loaded by `datasets.load_dataset`, from the HF cache when offline). Existence is
     checked when the dataset is built. `template` turns each raw row into a prompt and an answer (SQuAD's and
     HellaSwag's layouts, or `column_mapping`'s columns), as a chat when the tokenizer has a chat template and
-    `use_chat_template` is not false (`remat.data.templates`).
+    `use_chat_template` is not false, or into a conversation with tool calls (``agent_chat``, ``xlam``)
+    (`remat.data.templates`).
     """
 
     path: str | list[str] | None = None
@@ -63,6 +75,7 @@ class DatasetConfig(StrictModel):
     format: DatasetFormat = "auto"
     template: RowTemplate | None = None
     column_mapping: dict[str, str] | None = None
+    agent_chat: AgentChatOptions | None = None
     use_chat_template: bool | None = None
     chat_template: str | None = None
     """A file holding a Jinja chat template that renders this dataset's conversations in place of the tokenizer's
@@ -72,6 +85,9 @@ class DatasetConfig(StrictModel):
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    tools_field: str = "tools"
+    """The field of a ``messages`` row holding its tool definitions (OpenAI function schemas, or that list as JSON
+    text), rendered with its conversation by the chat template; a row without it has none."""
     seq_length: int = Field(default=256, ge=2)
     packing: bool = True
     shuffle: bool = True
@@ -110,6 +126,9 @@ class DatasetConfig(StrictModel):
         if (self.template == "columns") != (self.column_mapping is not None):
             raise ValueError("template: 'columns' and column_mapping go together; allowed: template: columns with "
                              "column_mapping: {context: COL, question: COL, answer: COL}, or neither")
+        if self.agent_chat is not None and self.template != "agent_chat":
+            raise ValueError(f"agent_chat: options of the agent_chat template, but template is {self.template!r}; "
+                             "allowed: template: agent_chat, or no agent_chat section")
         if self.template is not None and self.path is None:
             raise ValueError(f"template: {self.template!r} needs a dataset path (a Hub id or files with those columns); "
                              "the builtin corpus is plain text")
@@ -117,7 +136,7 @@ class DatasetConfig(StrictModel):
             raise ValueError("name: a Hub dataset's configuration needs one path (the Hub id); allowed: path: ORG/NAME")
         return self
 
-    @field_validator("split", "name", "text_field", "prompt_field", "completion_field", "messages_field")
+    @field_validator("split", "name", "text_field", "prompt_field", "completion_field", "messages_field", "tools_field")
     @classmethod
     def _name_not_blank(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():

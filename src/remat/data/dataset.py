@@ -15,7 +15,7 @@ from remat.data.config import DatasetConfig
 from remat.data.formats import detect_format, encode_rows
 from remat.data.packing import IGNORE_INDEX, Rows, pack_documents, pad_documents, rows_with_targets
 from remat.data.sources import iter_rows, no_rows_message
-from remat.data.templates import COMPLETION, MESSAGES, PROMPT, apply_template
+from remat.data.templates import COMPLETION, MESSAGES, PROMPT, TOOLS, apply_template
 from remat.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def build_dataset(
         raw_rows, templated = apply_template(raw_rows, cfg, chat=_chat(cfg, tokenizer, key_prefix),
                                              key_prefix=key_prefix)
         cfg = cfg.model_copy(update={"format": templated, "prompt_field": PROMPT, "completion_field": COMPLETION,
-                                     "messages_field": MESSAGES})
+                                     "messages_field": MESSAGES, "tools_field": TOOLS})
     first = next(raw_rows, None)
     if first is None:
         raise ConfigError(no_rows_message(cfg, key_prefix))

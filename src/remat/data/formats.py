@@ -2,8 +2,9 @@
 
 - `text`: every token is a target.
 - `prompt_completion`: prompt and completion are tokenized separately and joined; only completion tokens are targets.
-- `messages`: the conversation is rendered with the tokenizer's chat template; only the text each assistant turn adds
-  (its content and the template's end-of-turn text) is a target.
+- `messages`: the conversation is rendered with the tokenizer's chat template (with the row's tool definitions, when
+  it has them); only the text each assistant turn adds (its content, tool calls and the template's end-of-turn text)
+  is a target.
 
 Documents then get BOS in front (if the tokenizer has one and it is not already there; never a target) and EOS at the
 end (same rule; it is a target exactly when the token before it is).
@@ -11,6 +12,7 @@ end (same rule; it is a target exactly when the token before it is).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,17 +88,19 @@ def _string_field(row: RawRow, name: str, fmt: str, cfg: DatasetConfig, key_pref
     return value
 
 
-def _messages_field(row: RawRow, cfg: DatasetConfig, key_prefix: str) -> list[dict[str, str]]:
+#: The keys of a message that reach the chat template besides ``role`` and ``content``: an assistant turn's tool calls
+#: and reasoning, a tool turn's call id and name (OpenAI's chat-completions schema, which chat templates render).
+MESSAGE_KEYS: tuple[str, ...] = ("tool_calls", "reasoning_content", "tool_call_id", "name")
+
+
+def _messages_field(row: RawRow, cfg: DatasetConfig, key_prefix: str) -> list[dict[str, Any]]:
     value = _field(row, cfg.messages_field, "messages", cfg, key_prefix)
     problem = None
     if not isinstance(value, list) or not value:
         problem = f"got {type(value).__name__ if not isinstance(value, list) else 'an empty list'}"
     else:
         for index, message in enumerate(value):
-            if not isinstance(message, dict):
-                problem = f"message {index} is a {type(message).__name__}"
-            elif not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-                problem = f"message {index} has keys {sorted(message)} (role and content must be strings)"
+            problem = _message_problem(index, message)
             if problem:
                 break
     if problem:
@@ -104,7 +108,41 @@ def _messages_field(row: RawRow, cfg: DatasetConfig, key_prefix: str) -> list[di
             f"{key_prefix}.path: {row.where} field {cfg.messages_field!r} must be a non-empty list of "
             f"{{'role': str, 'content': str}} objects; {problem}"
         )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [{"role": m["role"], "content": m.get("content") or "",
+             **{key: m[key] for key in MESSAGE_KEYS if m.get(key) is not None}} for m in value]
+
+
+def _message_problem(index: int, message: Any) -> str | None:
+    if not isinstance(message, dict):
+        return f"message {index} is a {type(message).__name__}"
+    calls = message.get("tool_calls")
+    if calls is not None and (message.get("role") != "assistant" or not isinstance(calls, list) or not all(
+            isinstance(call, dict) and isinstance(call.get("function"), dict)
+            and isinstance(call["function"].get("name"), str) for call in calls)):
+        return (f"message {index} has tool_calls {calls!r}; allowed on an assistant turn: a list of "
+                "{'type': 'function', 'function': {'name': str, 'arguments': ...}}")
+    content_ok = isinstance(message.get("content"), str) or (calls and message.get("content") is None)
+    if not isinstance(message.get("role"), str) or not content_ok:
+        return f"message {index} has keys {sorted(message)} (role and content must be strings)"
+    return None
+
+
+def row_tools(row: RawRow, cfg: DatasetConfig, key_prefix: str) -> list[dict[str, Any]] | None:
+    """The tool definitions a row offers (its ``cfg.tools_field``: a list of OpenAI function schemas, or that list
+    as JSON text), rendered with its conversation; None when it has none."""
+    value = row.data.get(cfg.tools_field)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except ValueError as err:
+            raise ConfigError(f"{key_prefix}.path: {row.where} field {cfg.tools_field!r} is not JSON ({err}); "
+                              "allowed: a list of tool schemas, or that list as JSON text") from None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise ConfigError(f"{key_prefix}.path: {row.where} field {cfg.tools_field!r} must be a list of tool schemas "
+                          f"({{'type': 'function', 'function': {{...}}}}); got {type(value).__name__}")
+    return value
 
 
 def _encode_text(
@@ -127,14 +165,16 @@ def _encode_prompt_completion(
 
 
 def assistant_spans(
-    tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, where: str = "", key_prefix: str = "dataset"
+    tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *, where: str = "", key_prefix: str = "dataset",
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span each assistant turn adds to it.
 
     A turn's span runs from the end of the rendering of the turns before it (with the generation prompt) to the end
     of the rendering that includes it, so it holds the assistant content and the template's end-of-turn text.
     Renders go through transformers' own jinja renderer, which (unlike `apply_chat_template`) accepts the empty
-    conversation that precedes a leading assistant turn.
+    conversation that precedes a leading assistant turn. ``tools`` (tool schemas) are rendered with every prefix, as
+    the template places them (in the system turn, most often).
     """
     turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     conversations = [messages] + [messages[:i] for i in turns] + [messages[: i + 1] for i in turns]
@@ -145,6 +185,7 @@ def assistant_spans(
             render_jinja_template(
                 conversations=[conversation],
                 chat_template=template,
+                tools=tools,
                 add_generation_prompt=prompt,
                 **tok.special_tokens_map,
             )[0][0]
@@ -177,7 +218,8 @@ def _encode_messages(
         raise ConfigError(
             f"{kp}.format: 'messages' needs a fast tokenizer (character offsets); got {type(tok).__name__}"
         )
-    rendered = [assistant_spans(tok, _messages_field(row, cfg, kp), where=row.where, key_prefix=kp) for row in rows]
+    rendered = [assistant_spans(tok, _messages_field(row, cfg, kp), where=row.where, key_prefix=kp,
+                                tools=row_tools(row, cfg, kp)) for row in rows]
     documents = []
     for (_, spans), encoded in zip(rendered, encode_texts(tok, [text for text, _ in rendered], offsets=True),
                                    strict=True):

@@ -70,8 +70,8 @@ _DTYPES: Final[dict[str, str]] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "t
 _DATASET_HELP: Final[str] = (
     "remat reads a Hub dataset id, a datasets save_to_disk directory or JSONL: write {key}: {{path: ORG/NAME or DIR, "
     "split: SPLIT, format: prompt_completion (with prompt_field / completion_field), messages or text}}, or "
-    "template: squad, hellaswag or columns (with column_mapping) for NeMo's SQuAD, HellaSwag and column-mapped "
-    "layouts")
+    "template: squad, hellaswag, columns (with column_mapping), agent_chat or xlam for NeMo's SQuAD, HellaSwag, "
+    "column-mapped, agent-trace and xLAM layouts")
 _BUILDER_PREFIX: Final[str] = "nemo_automodel.components.datasets.llm."
 #: NeMo's dataset builders remat reads (`remat.data.templates`): the template, and the argument naming the data.
 _BUILDERS: Final[dict[str, tuple[str, str]]] = {
@@ -80,14 +80,26 @@ _BUILDERS: Final[dict[str, tuple[str, str]]] = {
     _BUILDER_PREFIX + "column_mapped_text_instruction_dataset.ColumnMappedTextInstructionDataset":
         ("columns", "path_or_dataset_id"),
     _BUILDER_PREFIX + "chat_dataset.ChatDataset": ("chat", "path_or_dataset_id"),
+    _BUILDER_PREFIX + "agent_chat.make_agent_chat_dataset": ("agent_chat", "dataset_name"),
+    _BUILDER_PREFIX + "xlam.make_xlam_dataset": ("xlam", "dataset_name"),
 }
+#: The data a builder reads when its recipe names none (NeMo's defaults).
+_DEFAULT_DATA: Final[dict[str, str]] = {"squad": "squad", "xlam": "Salesforce/xlam-function-calling-60k"}
+#: make_agent_chat_dataset's options remat's ``agent_chat`` template has (``dataset.agent_chat``).
+_AGENT_OPTIONS: Final[tuple[str, ...]] = ("trim_incomplete_last_turn", "drop_history_reasoning_content")
+#: make_agent_chat_dataset's options at whose defaults remat does the same, and why.
+_AGENT_DEFAULTS: Final[dict[str, bool]] = {"train_on_last_turn_only": False, "filter_overlong": False,
+                                           "truncate_history": False}
 #: ChatDataset's options whose defaults are what remat's chat rows do (every assistant turn a target).
 _CHAT_DEFAULTS: Final[dict[str, Any]] = {"start_of_turn_token": None, "mask_reasoning_content": False,
                                          "mask_history": False, "unshifted": False, "skip_invalid_samples": False}
 #: Each template's own builder argument, for the message that lists what a builder's section may hold.
 _OWN_ARG: Final[dict[str, str]] = {"squad": "limit_dataset_samples", "hellaswag": "num_samples_limit",
                                    "columns": "column_mapping, name, limit_dataset_samples, use_hf_chat_template",
-                                   "chat": "name"}
+                                   "chat": "name",
+                                   "agent_chat": "path, limit_dataset_samples, chat_template, filter_no_assistant, "
+                                                 "trim_incomplete_last_turn, drop_history_reasoning_content",
+                                   "xlam": "limit_dataset_samples"}
 #: Builder arguments about padding and truncation: remat cuts its rows to dataset.seq_length itself.
 _CUTTING_ARGS: Final[tuple[str, ...]] = ("padding", "truncation", "pad_to_max_length", "fp8")
 
@@ -498,7 +510,9 @@ def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], ref
     args = {name: value for name, value in section.items() if name != "_target_"}
     builder = section["_target_"].rsplit(".", 1)[-1]
     kind, source = _BUILDERS[section["_target_"]]
-    path = args.pop(source, "squad" if kind == "squad" else None)
+    if kind == "agent_chat" and "path" in args and "dataset_name" not in args:
+        source = "path"  # its local JSON files
+    path = args.pop(source, _DEFAULT_DATA.get(kind))
     if not (isinstance(path, str) and path.strip()) and not (isinstance(path, list) and path):
         refused.append(f"{key}.{source}: got {path!r}; allowed: a Hub dataset id or a local file ({builder})")
         path = "missing"
@@ -522,6 +536,8 @@ def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], ref
         # NeMo renders a chat only when asked (and the tokenizer has a template); remat's unset is the same "when
         # the tokenizer has one".
         mapped["use_chat_template"] = None if args.pop("use_hf_chat_template", False) else False
+    if kind == "agent_chat":
+        _agent_options(key, args, mapped, notes, refused)
     _builder_options(key, args, model, notes, refused)
     for name in args:
         refused.append(f"{key}.{name}: an argument of NeMo's {builder} that remat has no counterpart for; allowed: "
@@ -529,6 +545,33 @@ def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], ref
     to = f"{key}.format messages" if kind == "chat" else f"{key}.template {kind}"
     said.append(f"{key}._target_ {builder} -> {to} ({'; '.join(notes)})")
     return mapped
+
+
+def _agent_options(key: str, args: dict[str, Any], mapped: dict[str, Any], notes: list[str],
+                   refused: list[str]) -> None:
+    """make_agent_chat_dataset's trace options (taken out of ``args``): ``dataset.agent_chat``, what remat does, or
+    refused by name."""
+    if mapped.get("seq_length") is not None and not args.get("truncation"):
+        notes.append(f"seq_length {mapped['seq_length']}: remat cuts every row at it (NeMo's builder without "
+                     "truncation passes a longer trace whole)")
+    options = {name: bool(args.pop(name)) for name in _AGENT_OPTIONS if name in args}
+    if any(options.values()):
+        mapped["agent_chat"] = {name: value for name, value in options.items() if value}
+        notes.append(f"{', '.join(name for name, value in options.items() if value)} -> {key}.agent_chat")
+    if "filter_no_assistant" in args:
+        args.pop("filter_no_assistant")
+        notes.append("filter_no_assistant dropped (a row without an assistant turn has no loss target, and remat "
+                     "drops such rows with a count)")
+    _only_defaults(key, args, _AGENT_DEFAULTS, "remat renders each trace whole and cuts rows at seq_length", refused)
+
+
+def _only_defaults(key: str, args: dict[str, Any], defaults: Mapping[str, Any], what_remat_does: str,
+                   refused: list[str]) -> None:
+    """The builder arguments of ``defaults`` taken out of ``args``; one refused by name unless at its default."""
+    for name, default in defaults.items():
+        value = args.pop(name, default)
+        if value != default:
+            refused.append(f"{key}.{name}: {value!r}; {what_remat_does}; allowed: {default!r} (or remove the key)")
 
 
 def _builder_options(key: str, args: dict[str, Any], model: Any, notes: list[str], refused: list[str]) -> None:
@@ -540,11 +583,8 @@ def _builder_options(key: str, args: dict[str, Any], model: Any, notes: list[str
     if args.pop("answer_only_loss_mask", True) is not True:
         refused.append(f"{key}.answer_only_loss_mask: false; remat's templates put the loss on the answer only; "
                        "allowed: true (or remove it), or a text dataset (format: text) for a loss on every token")
-    for name, default in _CHAT_DEFAULTS.items():
-        value = args.pop(name, default)
-        if value != default:
-            refused.append(f"{key}.{name}: {value!r}; remat's chat rows train on every assistant turn's text as the "
-                           f"tokenizer's chat template renders it; allowed: {default!r} (or remove the key)")
+    _only_defaults(key, args, _CHAT_DEFAULTS, "remat's chat rows train on every assistant turn's text as the "
+                   "tokenizer's chat template renders it", refused)
     _builder_tokenizer(key, args.pop("tokenizer", None), model, notes, refused)
     if args.pop("shuffle_seed", None) is not None:
         notes.append("shuffle_seed dropped (remat shuffles with the recipe's seed)")
@@ -575,6 +615,8 @@ _DROPPED: Final[dict[tuple[str, str], str]] = {
     ("model", "use_sdpa_patching"): "NeMo's patch of transformers' attention; remat runs transformers' SDPA",
     ("step_scheduler", "loss_average_window_steps"): "remat logs each step's loss; its report smooths the curve",
     ("step_scheduler", "save_checkpoint_every_epoch"): "remat saves every ckpt_every_steps and at the end of the run",
+    ("", "tool_call_eval"): "NeMo's tool-call accuracy evaluator, a metric beside training; remat validates with the "
+                            "validation dataset's loss",
 }
 
 
