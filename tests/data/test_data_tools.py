@@ -133,3 +133,50 @@ def test_tool_templates_need_a_chat_template_and_their_options_their_template(tm
                              chat=True)
     with pytest.raises(ConfigError, match=r"row 1 does not have the 'agent_chat' layout \(ValueError: role 'robot'"):
         next(rows)
+
+
+def _trace(*exchanges: tuple[str, str]) -> dict[str, Any]:
+    messages = [{"role": "system", "content": "w0"}]
+    for question, answer in exchanges:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return {"messages": messages}
+
+
+def test_truncate_history_drops_the_oldest_exchanges_and_filter_overlong_what_still_does_not_fit(
+        tok: Any, write_jsonl: Any, caplog: pytest.LogCaptureFixture) -> None:
+    long = " ".join(f"w{i}" for i in range(1, 30))
+    rows = [_trace(("w1", long), ("w2", long), ("w3", "w4 w5")),  # only the last exchange fits 48 tokens
+            _trace(("w6", long + " " + long))]  # nothing does
+    path = write_jsonl(rows)
+    options = {"truncate_history": True, "filter_overlong": True}
+    caplog.set_level("INFO", logger="remat.data.formats")
+    dataset = build_dataset(DatasetConfig(path=str(path), template="agent_chat", agent_chat=options, seq_length=48,
+                                          packing=False), tok)
+    assert len(dataset) == 1
+    words = [w for w in tok.convert_ids_to_tokens(dataset[0]["input_ids"].tolist()) if w.startswith("w")]
+    assert words == ["w0", "w3", "w4", "w5"]  # the system turn and the last exchange
+    assert "dataset: dropped 1 traces longer than seq_length 48 (agent_chat.filter_overlong)" in caplog.text
+    kept = build_dataset(DatasetConfig(path=str(path), template="agent_chat", seq_length=48, packing=False), tok)
+    assert len(kept) == 2  # without the options both are cut at their end
+
+
+def test_a_hub_dataset_s_revision_reaches_the_datasets_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+    import huggingface_hub.constants
+
+    from remat.data.sources import iter_rows
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no probe of the Hub: nothing is fetched
+    asked: dict[str, Any] = {}
+
+    def load_dataset(path: str, name: Any = None, **kwargs: Any) -> list[dict[str, str]]:
+        asked.update(path=path, **kwargs)
+        return [{"text": "w1"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = DatasetConfig(path="org/traces", revision="refs/convert/parquet", split="train[64:]")
+    assert [row.data for row in iter_rows(cfg)] == [{"text": "w1"}]
+    assert asked == {"path": "org/traces", "split": "train[64:]", "revision": "refs/convert/parquet"}
+    with pytest.raises(ConfigError, match=r"^dataset.revision: 'main' is a Hub dataset's revision; .* is on the local "
+                                          "disk"):
+        list(iter_rows(DatasetConfig(path="./local.jsonl", revision="main")))

@@ -193,11 +193,16 @@ def test_nemo_s_agent_and_xlam_builders_are_the_tool_call_templates() -> None:
                  "filter_no_assistant dropped (a row without an assistant turn has no loss target"):
         assert part in line, line
     assert any(line.startswith("tool_call_eval: dropped (NeMo's tool-call accuracy evaluator") for line in said)
-    data["dataset"].update(filter_overlong=True, revision="refs/convert/parquet")
+    data["dataset"].update(filter_overlong=True, truncate_history=True, revision="refs/convert/parquet")
+    out, _ = from_nemo(data)
+    assert out["dataset"]["revision"] == "refs/convert/parquet"
+    assert out["dataset"]["agent_chat"] == {"trim_incomplete_last_turn": True, "truncate_history": True,
+                                            "filter_overlong": True}
+    data["dataset"].update(train_on_last_turn_only=True, streaming=True)
     with pytest.raises(ConfigError) as info:
         from_nemo(data)
     assert [line.split(":")[0] for line in str(info.value).splitlines()[1:]] == [
-        "dataset.filter_overlong", "dataset.revision"]
+        "dataset.train_on_last_turn_only", "dataset.streaming"]
 
 
 def test_every_problem_of_a_nemo_recipe_is_said_in_one_round(tmp_path: Path) -> None:

@@ -56,6 +56,11 @@ class AgentChatOptions(StrictModel):
     """Drop the messages after the last assistant turn (an unfinished exchange)."""
     drop_history_reasoning_content: bool = False
     """Keep ``reasoning_content`` on the last assistant turn only, as a model never sees its earlier thinking."""
+    truncate_history: bool = False
+    """A trace whose document is longer than ``seq_length`` loses its oldest exchanges (cut at user turns; the leading
+    system turns, the tools and the last exchange kept) until it fits, instead of being cut at its end."""
+    filter_overlong: bool = False
+    """A trace whose document is still longer than ``seq_length`` is dropped (counted in a line), not cut."""
 
 
 class DatasetConfig(StrictModel):
@@ -72,6 +77,8 @@ class DatasetConfig(StrictModel):
 
     path: str | list[str] | None = None
     name: str | None = None
+    revision: str | None = None
+    """A Hub dataset's revision (a branch, tag or commit; e.g. ``refs/convert/parquet``)."""
     format: DatasetFormat = "auto"
     template: RowTemplate | None = None
     column_mapping: dict[str, str] | None = None
@@ -132,11 +139,13 @@ class DatasetConfig(StrictModel):
         if self.template is not None and self.path is None:
             raise ValueError(f"template: {self.template!r} needs a dataset path (a Hub id or files with those columns); "
                              "the builtin corpus is plain text")
+        if self.revision is not None and not isinstance(self.path, str):
+            raise ValueError("revision: a Hub dataset's revision needs one path (the Hub id); allowed: path: ORG/NAME")
         if self.name is not None and not isinstance(self.path, str):
             raise ValueError("name: a Hub dataset's configuration needs one path (the Hub id); allowed: path: ORG/NAME")
         return self
 
-    @field_validator("split", "name", "text_field", "prompt_field", "completion_field", "messages_field", "tools_field")
+    @field_validator("split", "name", "revision", "text_field", "prompt_field", "completion_field", "messages_field", "tools_field")
     @classmethod
     def _name_not_blank(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():

@@ -13,6 +13,7 @@ end (same rule; it is a target exactly when the token before it is).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from remat.data.config import DatasetConfig
 from remat.data.encode import GROUP_CHARS, GROUP_TEXTS, encode_texts
 from remat.data.sources import RawRow
 from remat.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class EncodedDocument:
@@ -218,8 +221,12 @@ def _encode_messages(
         raise ConfigError(
             f"{kp}.format: 'messages' needs a fast tokenizer (character offsets); got {type(tok).__name__}"
         )
-    rendered = [assistant_spans(tok, _messages_field(row, cfg, kp), where=row.where, key_prefix=kp,
-                                tools=row_tools(row, cfg, kp)) for row in rows]
+    conversations = [(_messages_field(row, cfg, kp), row_tools(row, cfg, kp), row.where) for row in rows]
+    if cfg.agent_chat is not None and cfg.agent_chat.truncate_history:
+        conversations = [(_fit_history(tok, messages, tools, cfg.seq_length), tools, where)
+                         for messages, tools, where in conversations]
+    rendered = [assistant_spans(tok, messages, where=where, key_prefix=kp, tools=tools)
+                for messages, tools, where in conversations]
     documents = []
     for (_, spans), encoded in zip(rendered, encode_texts(tok, [text for text, _ in rendered], offsets=True),
                                    strict=True):
@@ -230,6 +237,30 @@ def _encode_messages(
             mask |= (starts >= lo) & (starts < hi)
         documents.append(EncodedDocument(encoded.ids, mask))
     return documents
+
+
+def _framed_length(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None) -> int:
+    """The tokens of the conversation's document: its rendering, framed with BOS and EOS (`add_document_specials`)."""
+    text = render_jinja_template(conversations=[messages], chat_template=tok.get_chat_template(), tools=tools,
+                                 **tok.special_tokens_map)[0][0]
+    ids = encode_texts(tok, [text])[0].ids
+    return len(add_document_specials(EncodedDocument(ids, np.zeros(len(ids), dtype=bool)), tok).input_ids)
+
+
+def _fit_history(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 seq_length: int) -> list[dict[str, Any]]:
+    """``messages`` without its oldest exchanges (cut at user turns; leading system turns kept) until its document
+    fits ``seq_length`` tokens (``agent_chat.truncate_history``, NeMo's rule); the last exchange when none fits."""
+    if _framed_length(tok, messages, tools) <= seq_length:
+        return messages
+    leading = next((i for i, message in enumerate(messages) if message["role"] != "system"), len(messages))
+    system, history = messages[:leading], messages[leading:]
+    starts = [i for i, message in enumerate(history) if message["role"] == "user"]
+    for start in starts:
+        if _framed_length(tok, system + history[start:], tools) <= seq_length:
+            return system + history[start:]
+    return system + history[starts[-1]:] if starts else messages
 
 
 _ENCODERS = {"text": _encode_text, "prompt_completion": _encode_prompt_completion, "messages": _encode_messages}
@@ -281,8 +312,16 @@ def encode_rows(
     """Tokenize `rows` in format `fmt` and frame each document with BOS/EOS. Rows are consumed a group at a time and
     long texts are tokenized in pieces (`remat.data.encode`), so memory stays near the size of the token ids."""
     documents: list[EncodedDocument] = []
+    drop_longer = cfg.agent_chat is not None and cfg.agent_chat.filter_overlong
+    dropped = 0
     for group in _row_groups(rows):
         encoded = _ENCODERS[fmt](group, cfg, tokenizer, key_prefix)
         group.clear()
-        documents.extend(add_document_specials(document, tokenizer) for document in encoded)
+        framed = [add_document_specials(document, tokenizer) for document in encoded]
+        kept = [document for document in framed if not (drop_longer and len(document.input_ids) > cfg.seq_length)]
+        dropped += len(framed) - len(kept)
+        documents.extend(kept)
+    if dropped:
+        logger.info("%s: dropped %d traces longer than seq_length %d (agent_chat.filter_overlong)", key_prefix,
+                    dropped, cfg.seq_length)
     return documents

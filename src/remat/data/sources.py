@@ -220,7 +220,7 @@ def _read_hub_dataset(hub_id: str, cfg: DatasetConfig, split: str, key_prefix: s
 
     try:
         with _datasets_quiet():
-            loaded = datasets.load_dataset(hub_id, cfg.name, split=split)
+            loaded = datasets.load_dataset(hub_id, cfg.name, split=split, revision=cfg.revision)
     except (OSError, ValueError, RuntimeError, TypeError) as err:  # ConnectionError, DatasetNotFoundError: OSError
         message = " ".join(str(err).split())
         if "Unknown split" in message or "Bad split" in message:
@@ -258,9 +258,10 @@ def _rows_of_path(raw: str, cfg: DatasetConfig, split: str, key_prefix: str, key
     if is_hub_dataset(raw):
         yield from _read_hub_dataset(raw, cfg, split, key_prefix, key)
         return
-    if cfg.name is not None:
-        raise ConfigError(f"{key_prefix}.name: {cfg.name!r} is a Hub dataset's configuration; {raw!r} is on the local "
-                          "disk; allowed: remove the key, or path: a Hub dataset id")
+    for name, what in (("name", "configuration"), ("revision", "revision")):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"{key_prefix}.{name}: {getattr(cfg, name)!r} is a Hub dataset's {what}; {raw!r} is on "
+                              "the local disk; allowed: remove the key, or path: a Hub dataset id")
     if not path.exists():
         raise ConfigError(f"{key}: {raw!r} does not exist; expected {allowed}")
     if _is_hf_dataset_dir(path):

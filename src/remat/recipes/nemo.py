@@ -86,10 +86,10 @@ _BUILDERS: Final[dict[str, tuple[str, str]]] = {
 #: The data a builder reads when its recipe names none (NeMo's defaults).
 _DEFAULT_DATA: Final[dict[str, str]] = {"squad": "squad", "xlam": "Salesforce/xlam-function-calling-60k"}
 #: make_agent_chat_dataset's options remat's ``agent_chat`` template has (``dataset.agent_chat``).
-_AGENT_OPTIONS: Final[tuple[str, ...]] = ("trim_incomplete_last_turn", "drop_history_reasoning_content")
-#: make_agent_chat_dataset's options at whose defaults remat does the same, and why.
-_AGENT_DEFAULTS: Final[dict[str, bool]] = {"train_on_last_turn_only": False, "filter_overlong": False,
-                                           "truncate_history": False}
+_AGENT_OPTIONS: Final[tuple[str, ...]] = ("trim_incomplete_last_turn", "drop_history_reasoning_content",
+                                         "truncate_history", "filter_overlong")
+#: make_agent_chat_dataset's options at whose defaults remat does the same.
+_AGENT_DEFAULTS: Final[dict[str, bool]] = {"train_on_last_turn_only": False}
 #: ChatDataset's options whose defaults are what remat's chat rows do (every assistant turn a target).
 _CHAT_DEFAULTS: Final[dict[str, Any]] = {"start_of_turn_token": None, "mask_reasoning_content": False,
                                          "mask_history": False, "unshifted": False, "skip_invalid_samples": False}
@@ -551,9 +551,12 @@ def _agent_options(key: str, args: dict[str, Any], mapped: dict[str, Any], notes
                    refused: list[str]) -> None:
     """make_agent_chat_dataset's trace options (taken out of ``args``): ``dataset.agent_chat``, what remat does, or
     refused by name."""
-    if mapped.get("seq_length") is not None and not args.get("truncation"):
+    if mapped.get("seq_length") is not None and not args.get("truncation") and not args.get("filter_overlong"):
         notes.append(f"seq_length {mapped['seq_length']}: remat cuts every row at it (NeMo's builder without "
                      "truncation passes a longer trace whole)")
+    if args.get("revision") is not None:
+        mapped["revision"] = args.pop("revision")
+        notes.append("revision kept")
     options = {name: bool(args.pop(name)) for name in _AGENT_OPTIONS if name in args}
     if any(options.values()):
         mapped["agent_chat"] = {name: value for name, value in options.items() if value}
@@ -562,7 +565,7 @@ def _agent_options(key: str, args: dict[str, Any], mapped: dict[str, Any], notes
         args.pop("filter_no_assistant")
         notes.append("filter_no_assistant dropped (a row without an assistant turn has no loss target, and remat "
                      "drops such rows with a count)")
-    _only_defaults(key, args, _AGENT_DEFAULTS, "remat renders each trace whole and cuts rows at seq_length", refused)
+    _only_defaults(key, args, _AGENT_DEFAULTS, "remat trains on every assistant turn of a trace", refused)
 
 
 def _only_defaults(key: str, args: dict[str, Any], defaults: Mapping[str, Any], what_remat_does: str,
@@ -598,7 +601,10 @@ def _builder_tokenizer(key: str, tokenizer: Any, model: Any, notes: list[str], r
     source = tokenizer.get("pretrained_model_name_or_path") if isinstance(tokenizer, Mapping) else None
     own = model.get("pretrained_model_name_or_path") if isinstance(model, Mapping) else None
     if source is None or source == own:
-        notes.append("tokenizer dropped (the model's, which the recipe loads)")
+        extra = sorted(set(tokenizer) - {"pretrained_model_name_or_path", "_target_"}) if isinstance(
+            tokenizer, Mapping) else []
+        notes.append("tokenizer dropped (the model's, which the recipe loads" +
+                     (f"; {', '.join(extra)} dropped: remat cuts rows at their end" if extra else "") + ")")
         return
     refused.append(f"{key}.tokenizer: {source!r} is not the model's tokenizer; remat tokenizes every dataset with the "
                    f"recipe's one: allowed: tokenizer: {{path: {source}}} at the top of the recipe (a local directory)")
