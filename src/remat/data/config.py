@@ -145,7 +145,8 @@ class DatasetConfig(StrictModel):
             raise ValueError("name: a Hub dataset's configuration needs one path (the Hub id); allowed: path: ORG/NAME")
         return self
 
-    @field_validator("split", "name", "revision", "text_field", "prompt_field", "completion_field", "messages_field", "tools_field")
+    @field_validator("split", "name", "revision", "text_field", "prompt_field", "completion_field", "messages_field",
+                     "tools_field")
     @classmethod
     def _name_not_blank(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
