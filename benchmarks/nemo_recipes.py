@@ -25,6 +25,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: (recipe under examples/, the model it names, remat estimate's extra arguments): the five of issue #36.
@@ -73,6 +75,22 @@ def published_configs() -> dict[str, dict[str, Any]]:
     }
 
 
+#: Sections remat drops whole (a CI harness's and a launcher's): their sub-keys are counted as the section.
+WHOLE_SECTIONS: tuple[str, ...] = ("ci", "skypilot")
+
+
+def recipe_keys(data: Any, prefix: str = "") -> set[str]:
+    """The dotted keys of a recipe mapping down to its leaves (a ``_target_`` included; `WHOLE_SECTIONS` as one)."""
+    keys: set[str] = set()
+    for key, value in (data.items() if isinstance(data, dict) else ()):
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value and dotted not in WHOLE_SECTIONS:
+            keys |= recipe_keys(value, dotted)
+        else:
+            keys.add(dotted)
+    return keys
+
+
 def sweep(nemo: Path) -> dict[str, dict[str, Any]]:
     """``--print-config`` of every published LLM recipe, in this process, offline with an empty HF cache."""
     from remat.cli import main
@@ -92,6 +110,8 @@ def sweep(nemo: Path) -> dict[str, dict[str, Any]]:
         refused = [line for line in lines if re.match(r"^[a-z_][\w.\[\]]*[:\s]", line)
                    and not line.startswith(("[remat]", "a NeMo AutoModel recipe", "invalid recipe"))]
         results[str(path.relative_to(nemo))] = {"code": code, "refused": refused}
+        if code in (0, None):
+            results[str(path.relative_to(nemo))]["keys"] = sorted(recipe_keys(yaml.safe_load(path.read_text())))
         print(f"[{index}/{len(recipes)}] {path.name}: {'accepted' if code in (0, None) else code}", file=sys.stderr)
     return results
 
@@ -166,7 +186,9 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: 
                          f"{'; '.join(row['said']) or '-'} |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "nemo_recipes.md").write_text("\n".join(lines) + "\n")
-    (out / "nemo_recipes.json").write_text(json.dumps({"sweep": results, "estimates": rows}, indent=1, default=str))
+    used = sorted({key for result in results.values() for key in result.get("keys", ())})
+    (out / "nemo_recipes.json").write_text(json.dumps({"sweep": results, "estimates": rows, "accepted_keys": used},
+                                                      indent=1, default=str))
 
 
 def main() -> None:

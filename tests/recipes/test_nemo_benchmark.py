@@ -23,18 +23,19 @@ def test_the_sweep_counts_what_is_accepted_and_what_is_refused_by_key(
     shutil.copy(HERE / "llama_packed_fused.yaml", examples / "accepted.yaml")
     refused = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
     refused["distributed"]["pp_size"] = 4
-    refused["quantization"] = {"enabled": True}
+    refused["qat"] = {"enabled": True}
     (examples / "refused.yaml").write_text(yaml.safe_dump(refused))
     results = bench.sweep(tmp_path / "nemo")
     assert results["examples/llm_finetune/llama/accepted.yaml"]["code"] in (0, None)
     said = results["examples/llm_finetune/llama/refused.yaml"]
     assert said["code"] == 2 and [line.split(":", 1)[0] for line in said["refused"]] == [
-        "distributed.pp_size", "quantization"], said
+        "distributed.pp_size", "qat"], said
     bench.write(results, [], tmp_path / "out", tmp_path / "nemo")
     table = (tmp_path / "out" / "nemo_recipes.md").read_text()
     assert "2 recipes: **1 accepted as written**, 1 refused in one round, 0 tracebacks" in table
-    assert "| `distributed.pp_size` | 1 |" in table and "| `quantization` | 1 |" in table
-    assert json.loads((tmp_path / "out" / "nemo_recipes.json").read_text())["estimates"] == []
+    assert "| `distributed.pp_size` | 1 |" in table and "| `qat` | 1 |" in table
+    written = json.loads((tmp_path / "out" / "nemo_recipes.json").read_text())
+    assert written["estimates"] == [] and "rng.seed" in written["accepted_keys"]  # the accepted recipe's keys
 
 
 def test_the_published_configs_are_those_of_the_models_the_recipes_name(

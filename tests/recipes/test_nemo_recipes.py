@@ -490,3 +490,19 @@ def test_a_config_loaded_from_the_model_s_own_checkpoint_is_that_checkpoint_s() 
             "checkpoint's config.json); its attention implementation -> model.attn_implementation") in said
     data["model"]["config"]["pretrained_model_name_or_path"] = "other/model"  # another checkpoint's: not dropped
     assert from_nemo(data)[0]["model"]["config"]["pretrained_model_name_or_path"] == "other/model"
+
+
+def test_nemo_s_wandb_section_is_logging_wandb_unless_it_is_switched_off() -> None:
+    data = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
+    data["wandb"] = {"enable": True, "project": "p", "entity": "e", "name": "n", "group": "g", "tags": ["t"],
+                     "dir": "logs/wandb"}
+    out, said = from_nemo(data)
+    assert out["logging"]["wandb"] == {"project": "p", "entity": "e", "name": "n", "group": "g", "tags": ["t"]}
+    assert "wandb -> logging.wandb (dir dropped: wandb writes in the run's output_dir)" in said
+    data["wandb"]["enable"] = False  # NeMo's recipes ship W&B switched off: remat must not log to it either
+    out, said = from_nemo(data)
+    assert "wandb" not in out.get("logging", {})
+    assert any(line.startswith("wandb: dropped (enable: false") for line in said)
+    data["wandb"] = {"project": "p", "notes": "x"}
+    with pytest.raises(ConfigError, match="wandb.notes: not a Weights & Biases setting remat passes"):
+        from_nemo(data)

@@ -198,6 +198,7 @@ class WandbConfig(StrictModel):
     project: str = "remat"
     entity: str | None = None
     name: str | None = None
+    group: str | None = None
     tags: list[str] = Field(default_factory=list)
     mode: Literal["online", "offline", "disabled"] = "online"
 

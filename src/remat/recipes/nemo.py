@@ -178,9 +178,25 @@ def _top_level(out: dict[str, Any], said: list[str], refused: list[str]) -> None
     _compile(out, said, refused)
     wandb = out.pop("wandb", None)
     if isinstance(wandb, Mapping):
-        kept = {k: v for k, v in wandb.items() if k in ("project", "entity", "name", "tags", "mode")}
-        _section(out, "logging")["wandb"] = kept
-        said.append("wandb -> logging.wandb" + (" (save_dir dropped)" if "save_dir" in wandb else ""))
+        _wandb(wandb, out, said, refused)
+
+
+#: NeMo's ``wandb`` keys that are remat's ``logging.wandb`` keys.
+_WANDB_KEYS: Final[tuple[str, ...]] = ("project", "entity", "name", "group", "tags", "mode")
+
+
+def _wandb(wandb: Mapping[str, Any], out: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    """NeMo's ``wandb`` section: ``logging.wandb`` unless ``enable: false`` (then no Weights & Biases logging)."""
+    if wandb.get("enable", True) is False:
+        said.append("wandb: dropped (enable: false; remat logs to Weights & Biases only with a logging.wandb section)")
+        return
+    for key in sorted(set(wandb) - {*_WANDB_KEYS, "enable", "dir", "save_dir"}):
+        refused.append(f"wandb.{key}: not a Weights & Biases setting remat passes; allowed: {', '.join(_WANDB_KEYS)}, "
+                       "enable, dir")
+    _section(out, "logging")["wandb"] = {key: wandb[key] for key in _WANDB_KEYS if key in wandb}
+    dropped = [key for key in ("dir", "save_dir") if key in wandb]
+    said.append("wandb -> logging.wandb" + (f" ({', '.join(dropped)} dropped: wandb writes in the run's output_dir)"
+                                            if dropped else ""))
 
 
 def _compile(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
@@ -601,10 +617,9 @@ def _builder_tokenizer(key: str, tokenizer: Any, model: Any, notes: list[str], r
     source = tokenizer.get("pretrained_model_name_or_path") if isinstance(tokenizer, Mapping) else None
     own = model.get("pretrained_model_name_or_path") if isinstance(model, Mapping) else None
     if source is None or source == own:
-        extra = sorted(set(tokenizer) - {"pretrained_model_name_or_path", "_target_"}) if isinstance(
-            tokenizer, Mapping) else []
+        cut = isinstance(tokenizer, Mapping) and "truncation_side" in tokenizer
         notes.append("tokenizer dropped (the model's, which the recipe loads" +
-                     (f"; {', '.join(extra)} dropped: remat cuts rows at their end" if extra else "") + ")")
+                     ("; truncation_side dropped: remat cuts rows at their end" if cut else "") + ")")
         return
     refused.append(f"{key}.tokenizer: {source!r} is not the model's tokenizer; remat tokenizes every dataset with the "
                    f"recipe's one: allowed: tokenizer: {{path: {source}}} at the top of the recipe (a local directory)")
@@ -662,7 +677,7 @@ def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
             del fp8["recipe_name"]
         said.append("fp8: read as it is (torchao's FP8 training of the linear layers, the same keys)" if
                     fp8.get("enabled") else "fp8: read as it is (not enabled)")
-    if out.get("validation_dataset") in ("none", "None", "null"):
+    if "validation_dataset" in out and out["validation_dataset"] in (None, "none", "None", "null"):
         del out["validation_dataset"]
         said.append("validation_dataset none -> no validation")
     schedule = out.get("step_scheduler")

@@ -56,8 +56,9 @@ class WandbSink:
                               "logging.wandb section)") from err
         id_file = output_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        self._run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, tags=list(cfg.tags),
-                               mode=cfg.mode, dir=str(output_dir), id=run_id, resume="allow", config=recipe)
+        self._run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, group=cfg.group,
+                               tags=list(cfg.tags), mode=cfg.mode, dir=str(output_dir), id=run_id, resume="allow",
+                               config=recipe)
         write_atomic(id_file, run_id + "\n", "logging.wandb run id file")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
