@@ -1,6 +1,7 @@
 """NeMo AutoModel's published recipes through remat (issue #36): every ``examples/llm_finetune`` and
 ``examples/llm_pretrain`` recipe of a NeMo AutoModel checkout read as written (``remat finetune RECIPE
---print-config``, offline, no Hub id cached: accepted, refused in one round, or a traceback), and ``remat estimate``
+--print-config``, offline, no Hub id cached: accepted, refused in one round, or a traceback; each refused one read
+again with the keys it was refused for taken out, to find a problem said a round late), and ``remat estimate``
 of five representative recipes from their models' published config.json alone (a temporary HF cache holding that
 file and nothing else: no weights, no tokenizer, no data). Writes benchmarks/results/nemo_recipes.{md,json}.
 
@@ -116,6 +117,43 @@ def sweep(nemo: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
+def _key(line: str) -> str:
+    return line.split(":", 1)[0].split(" ", 1)[0]
+
+
+def second_round(nemo: Path, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each refused recipe with every key it was refused for taken out (a refused class with its section: what its
+    line asks, a key removed or a size back at its default, short of writing the user's own data), read again. A key
+    refused now that the first round did not name is a problem said a round late."""
+    with tempfile.TemporaryDirectory() as work:
+        root = Path(work)
+        for name, result in results.items():
+            if result["code"] in (0, None) or isinstance(result["code"], str):
+                continue
+            data = yaml.safe_load((nemo / name).read_text())
+            optimizer = data.get("optimizer")
+            if "optimizer._target_" in {_key(line) for line in result["refused"]} and isinstance(optimizer, dict):
+                # the line asks for a class remat builds: torch's AdamW at the recipe's learning rate
+                data["optimizer"] = {"_target_": "torch.optim.AdamW", **({"lr": optimizer["lr"]} if "lr" in optimizer
+                                                                         else {})}
+            for line in result["refused"]:
+                if _key(line) in ("optimizer._target_", "model"):  # "model": a source to write, not a key to remove
+                    continue
+                *parents, last = _key(line).removesuffix("._target_").split(".")
+                section = data
+                for part in parents:
+                    section = section.get(part) if isinstance(section, dict) else None
+                if isinstance(section, dict):
+                    section.pop(last, None)
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(yaml.safe_dump(data))
+        again = sweep(root)
+    for name, result in again.items():
+        first = {_key(line) for line in results[name]["refused"]}
+        result["new"] = sorted({_key(line) for line in result["refused"]} - first)
+    return again
+
+
 def estimates(nemo: Path) -> list[dict[str, Any]]:
     """``remat estimate`` of the five representative recipes, each in a fresh process reading a temporary HF cache
     that holds only the model's config.json, offline."""
@@ -154,7 +192,8 @@ def estimates(nemo: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: Path) -> None:
+def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: Path,
+          again: dict[str, Any] | None = None) -> None:
     import torch
     import transformers
 
@@ -168,8 +207,18 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: 
              f"{transformers.__version__}; `benchmarks/nemo_recipes.py`.", "",
              f"**`remat finetune RECIPE --print-config`** (offline, no Hub id cached), {len(results)} recipes: "
              f"**{accepted} accepted as written**, {len(results) - accepted - crashed} refused in one round, "
-             f"{crashed} tracebacks.", "", "Keys refused, most common first:", "", "| key | recipes |", "|---|---|",
-             *(f"| `{key}` | {count} |" for key, count in keys.most_common()), ""]
+             f"{crashed} tracebacks.", ""]
+    if again:
+        late = {name: result["new"] for name, result in again.items() if result["new"]}
+        passed = sum(result["code"] in (0, None) for result in again.values())
+        lines += [f"**One round**: each refused recipe with every key it was refused for taken out (a refused optimizer "
+                  f"class replaced by torch's AdamW), read again: {passed} of {len(again)} accepted, "
+                  f"{len(again) - passed - len(late)} still refused only for keys the first round named, {len(late)} "
+                  "with a key refused a round late" + (":" if late else "."), "",
+                  *(f"- `{name}`: {', '.join(f'`{key}`' for key in keys)}" for name, keys in sorted(late.items())),
+                  *([""] if late else [])]
+    lines += ["Keys refused, most common first:", "", "| key | recipes |", "|---|---|",
+              *(f"| `{key}` | {count} |" for key, count in keys.most_common()), ""]
     if rows:
         lines += ["**`remat estimate RECIPE`** of the five representative recipes, from the model's config.json alone "
                   "(no weights, tokenizer or data read; each in a fresh process, offline):", "",
@@ -187,8 +236,8 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: 
     out.mkdir(parents=True, exist_ok=True)
     (out / "nemo_recipes.md").write_text("\n".join(lines) + "\n")
     used = sorted({key for result in results.values() for key in result.get("keys", ())})
-    (out / "nemo_recipes.json").write_text(json.dumps({"sweep": results, "estimates": rows, "accepted_keys": used},
-                                                      indent=1, default=str))
+    (out / "nemo_recipes.json").write_text(json.dumps({"sweep": results, "estimates": rows, "accepted_keys": used,
+                                                       "second_round": again or {}}, indent=1, default=str))
 
 
 def main() -> None:
@@ -201,10 +250,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as empty:
         os.environ.update(HF_HUB_OFFLINE="1", HF_HOME=empty, HF_HUB_CACHE=str(Path(empty) / "hub"))
         results = sweep(args.nemo)
+        again = second_round(args.nemo, results)
     previous = args.out / "nemo_recipes.json"
     rows = (json.loads(previous.read_text()).get("estimates", []) if previous.exists() else []) \
         if args.skip_estimates else estimates(args.nemo)
-    write(results, rows, args.out, args.nemo)
+    write(results, rows, args.out, args.nemo, again)
     print(f"wrote {args.out / 'nemo_recipes.md'}")
 
 

@@ -24,17 +24,21 @@ SMALL = {"preset": "tiny-llama", "config": {"hidden_size": 64, "intermediate_siz
 
 
 def _recipe(tmp_path: Path, strategy: str) -> Path:
+    """``strategy`` is ddp, fsdp2, or fsdp2-lora (LoRA adapters of rank 4 under FSDP2: the frozen base sharded)."""
     path = tmp_path / "auto.yaml"
-    path.write_text(yaml.safe_dump(tiny_recipe(
+    recipe = tiny_recipe(
         output_dir=str(tmp_path / "run"), model=SMALL, dataset={"seq_length": 128}, step_scheduler={"max_steps": 2},
         checkpoint={"enabled": False}, logging={"metrics_file": "m.jsonl", "memory": "tracked"},
-        distributed={"strategy": strategy, "activation_checkpointing": "auto"})))
+        distributed={"strategy": strategy.removesuffix("-lora"), "activation_checkpointing": "auto"})
+    if strategy.endswith("-lora"):
+        recipe["peft"] = {"r": 4}
+    path.write_text(yaml.safe_dump(recipe))
     return path
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2-lora"])
 def test_every_rank_plans_the_same_and_stays_within_the_per_rank_budget(tmp_path: Path, remat_cache: Path,
                                                                          strategy: str) -> None:
     from remat.planner.api import planner_for_recipe

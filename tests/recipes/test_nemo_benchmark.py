@@ -30,9 +30,14 @@ def test_the_sweep_counts_what_is_accepted_and_what_is_refused_by_key(
     said = results["examples/llm_finetune/llama/refused.yaml"]
     assert said["code"] == 2 and [line.split(":", 1)[0] for line in said["refused"]] == [
         "distributed.pp_size", "qat"], said
-    bench.write(results, [], tmp_path / "out", tmp_path / "nemo")
+    again = bench.second_round(tmp_path / "nemo", results)
+    assert list(again) == ["examples/llm_finetune/llama/refused.yaml"]
+    assert again["examples/llm_finetune/llama/refused.yaml"]["code"] in (0, None)  # the two keys out: accepted
+    bench.write(results, [], tmp_path / "out", tmp_path / "nemo", again)
     table = (tmp_path / "out" / "nemo_recipes.md").read_text()
     assert "2 recipes: **1 accepted as written**, 1 refused in one round, 0 tracebacks" in table
+    assert ("read again: 1 of 1 accepted, 0 still refused only for keys the first round named, 0 with a key refused "
+            "a round late.") in table
     assert "| `distributed.pp_size` | 1 |" in table and "| `qat` | 1 |" in table
     written = json.loads((tmp_path / "out" / "nemo_recipes.json").read_text())
     assert written["estimates"] == [] and "rng.seed" in written["accepted_keys"]  # the accepted recipe's keys
