@@ -211,8 +211,8 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: 
     if again:
         late = {name: result["new"] for name, result in again.items() if result["new"]}
         passed = sum(result["code"] in (0, None) for result in again.values())
-        lines += [f"**One round**: each refused recipe with every key it was refused for taken out (a refused optimizer "
-                  f"class replaced by torch's AdamW), read again: {passed} of {len(again)} accepted, "
+        lines += ["**One round**: each refused recipe with every key it was refused for taken out (a refused "
+                  f"optimizer class replaced by torch's AdamW), read again: {passed} of {len(again)} accepted, "
                   f"{len(again) - passed - len(late)} still refused only for keys the first round named, {len(late)} "
                   "with a key refused a round late" + (":" if late else "."), "",
                   *(f"- `{name}`: {', '.join(f'`{key}`' for key in keys)}" for name, keys in sorted(late.items())),
