@@ -110,9 +110,10 @@ def sweep(nemo: Path) -> dict[str, dict[str, Any]]:
         lines = [line.removeprefix("error: ") for line in err.getvalue().splitlines()]  # one problem: "error: KEY: ..."
         refused = [line for line in lines if re.match(r"^[a-z_][\w.\[\]]*[:\s]", line)
                    and not line.startswith(("[remat]", "a NeMo AutoModel recipe", "invalid recipe"))]
-        results[str(path.relative_to(nemo))] = {"code": code, "refused": refused}
+        keys = sorted(recipe_keys(yaml.safe_load(path.read_text())))
+        results[str(path.relative_to(nemo))] = {"code": code, "refused": refused, "all_keys": keys}
         if code in (0, None):
-            results[str(path.relative_to(nemo))]["keys"] = sorted(recipe_keys(yaml.safe_load(path.read_text())))
+            results[str(path.relative_to(nemo))]["keys"] = keys
         print(f"[{index}/{len(recipes)}] {path.name}: {'accepted' if code in (0, None) else code}", file=sys.stderr)
     return results
 
@@ -236,7 +237,9 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: 
     out.mkdir(parents=True, exist_ok=True)
     (out / "nemo_recipes.md").write_text("\n".join(lines) + "\n")
     used = sorted({key for result in results.values() for key in result.get("keys", ())})
+    every = sorted({key for result in results.values() for key in result.get("all_keys", ())})
     (out / "nemo_recipes.json").write_text(json.dumps({"sweep": results, "estimates": rows, "accepted_keys": used,
+                                                       "published_keys": every,
                                                        "second_round": again or {}}, indent=1, default=str))
 
 

@@ -105,3 +105,30 @@ def test_each_named_dataset_builds_from_a_datasets_cache(path: Path, datasets_ca
             assert dataset.format == "messages"
         built.append(key)
     assert built or path.name == "llama_packed_fused.yaml", path.name  # that one trains on remat's builtin corpus
+
+
+#: NeMo sections docs/recipes.md describes as a whole (read as they are, mapped or dropped with all their keys).
+WHOLE_SECTIONS = ("fp8", "quantization", "ci", "skypilot", "wandb", "tool_call_eval", "parallelizer", "neftune",
+                  "embedding_row_repair", "packed_sequence", "rng", "dist_env", "compile")
+
+
+def test_the_docs_say_what_remat_does_with_every_key_of_every_published_recipe() -> None:
+    """docs/recipes.md's NeMo section names each key of the 220 published recipes (the sweep's inventory): the key,
+    a tail of its dotted name, or a section of two names and more it belongs to, in backticks; or its section is one
+    the page describes as a whole."""
+    import re
+
+    published = json.loads((ROOT / "benchmarks" / "results" / "nemo_recipes.json").read_text())["published_keys"]
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    section = page[page.index("## Coming from NeMo AutoModel"):]
+    named = {part.rstrip(".") for quoted in re.findall(r"`([^`]+)`", section)
+             for part in re.split(r"[\s,:{}()\[\]=]+", quoted) if part}
+
+    def said(key: str) -> bool:
+        parts = key.split(".")
+        return (parts[0] in WHOLE_SECTIONS and parts[0] in named
+                or any(".".join(parts[i:]) in named for i in range(len(parts)))
+                or any(".".join(parts[:i]) in named for i in range(2, len(parts))))
+
+    assert len(published) >= 300 and not [key for key in published if not said(key)], sorted(
+        key for key in published if not said(key))

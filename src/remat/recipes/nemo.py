@@ -888,8 +888,9 @@ def _peft(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
         peft.pop("exclude_modules", None)
     dropped = [key for key in ("use_triton", "lora_A_init", "dropout_position") if peft.pop(key, None) is not None]
     said.append("peft (NeMo's PeftConfig) -> peft: LoRA through the peft library (dim -> r, alpha -> lora_alpha, "
-                "dropout -> lora_dropout)" + (f"; {', '.join(dropped)} dropped (NeMo's kernels and init)"
-                                              if dropped else ""))
+                "dropout -> lora_dropout); PEFT's adapters, not NeMo's own: A starts Kaiming-uniform (NeMo: Xavier) "
+                "and dropout acts on the adapter's input (NeMo: on its output)"
+                + (f"; {', '.join(dropped)} dropped (NeMo's kernels and init)" if dropped else ""))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
