@@ -28,6 +28,7 @@ import errno  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -106,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # and torch's other warnings still show.
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").addFilter(_not_an_enum_registration)
+    # torchao's QAT layers (qat.enabled) name their int4 dtype by a type torchao itself deprecates: nothing to act on
+    warnings.filterwarnings("ignore", message="Deprecation: TorchAODType is deprecated", category=UserWarning)
     if args.command is None:
         parser.print_help()
         return 2

@@ -6,7 +6,7 @@ reduction, bf16 mixed precision, CPU offload) through the Python API; ``resume``
 run crashing after its step-4 checkpoint and resumed, for fsdp2 and ddp, and stops a run from one rank; ``nccl`` trains
 a few parity cases on 2 GPUs; ``corrupt`` resumes past a corrupted fsdp2 shard; ``context`` trains
 ``CONTEXT_CASES`` with ``cp_size`` 2 and resumes a crashed ``cp_size`` 2 run with ``cp_size`` 2 and with 1; ``lora``
-trains LoRA adapters under FSDP2 straight and crashed-and-resumed; ``qlora`` trains them over 4-bit base weights. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
+trains LoRA adapters under FSDP2 straight and crashed-and-resumed; ``qlora`` trains them over 4-bit base weights; ``qat`` trains with fake-quantising linear layers. Everything but ``nccl`` runs on the CPU (gloo), GPUs or not. Each rank
 writes ``<mode>_rank<r>.json`` into OUT_DIR; the tests read and judge them.
 """
 
@@ -315,12 +315,24 @@ def qlora(out: Path) -> dict[str, Any]:
     return curve(result)
 
 
+def qat_recipe(output_dir: Path, strategy: str = "fsdp2") -> dict[str, Any]:
+    """The tiny recipe trained with torchao's fake-quantising linear layers (int8 activations, int4 weights)."""
+    return tiny_recipe(output_dir, strategy=strategy, checkpointing="full", max_steps=3,
+                       qat={"enabled": True, "groupsize": 32, "fake_quant_after_n_steps": 1})
+
+
+def qat(out: Path) -> dict[str, Any]:
+    """Quantization-aware training under FSDP2."""
+    _, result = train(qat_recipe(out / "run"))
+    return curve(result)
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     report = {"parity": parity, "resume": resume, "nccl": nccl, "corrupt": corrupt_shard,
               "damaged_rank_file": damaged_rank_file, "context": context, "lora": lora,
-              "qlora": qlora}[mode](out)
+              "qlora": qlora, "qat": qat}[mode](out)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     leave_process_group()
 

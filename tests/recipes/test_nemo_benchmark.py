@@ -23,13 +23,13 @@ def test_the_sweep_counts_what_is_accepted_and_what_is_refused_by_key(
     shutil.copy(HERE / "llama_packed_fused.yaml", examples / "accepted.yaml")
     refused = yaml.safe_load((HERE / "llama_packed_fused.yaml").read_text())
     refused["distributed"]["pp_size"] = 4
-    refused["qat"] = {"enabled": True}
+    refused["model"]["mtp_loss_scaling_factor"] = 0.1  # multi-token prediction: refused by name
     (examples / "refused.yaml").write_text(yaml.safe_dump(refused))
     results = bench.sweep(tmp_path / "nemo")
     assert results["examples/llm_finetune/llama/accepted.yaml"]["code"] in (0, None)
     said = results["examples/llm_finetune/llama/refused.yaml"]
     assert said["code"] == 2 and [line.split(":", 1)[0] for line in said["refused"]] == [
-        "distributed.pp_size", "qat"], said
+        "distributed.pp_size", "model.mtp_loss_scaling_factor"], said
     again = bench.second_round(tmp_path / "nemo", results)
     assert list(again) == ["examples/llm_finetune/llama/refused.yaml"]
     assert again["examples/llm_finetune/llama/refused.yaml"]["code"] in (0, None)  # the two keys out: accepted
@@ -38,7 +38,7 @@ def test_the_sweep_counts_what_is_accepted_and_what_is_refused_by_key(
     assert "2 recipes: **1 accepted as written**, 1 refused in one round, 0 tracebacks" in table
     assert ("read again: 1 of 1 accepted, 0 still refused only for keys the first round named, 0 with a key refused "
             "a round late.") in table
-    assert "| `distributed.pp_size` | 1 |" in table and "| `qat` | 1 |" in table
+    assert "| `distributed.pp_size` | 1 |" in table and "| `model.mtp_loss_scaling_factor` | 1 |" in table
     written = json.loads((tmp_path / "out" / "nemo_recipes.json").read_text())
     assert written["estimates"] == [] and "rng.seed" in written["accepted_keys"]  # the accepted recipe's keys
 

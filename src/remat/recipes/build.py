@@ -27,6 +27,7 @@ from remat.models import build_model
 from remat.models.document_attention import use_document_attention
 from remat.models.embedding_repair import repair_embedding_rows
 from remat.models.fp8 import apply_fp8
+from remat.models.qat import apply_qat
 from remat.recipes.config import CompileConfig, PeftConfig, RecipeConfig
 from remat.recipes.model_loss import CausalLMLoss
 from remat.recipes.targets import LOSS, OPTIMIZER, build_target, resolve_target
@@ -48,7 +49,8 @@ def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:
 
 def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu",
                        simulated: bool = False) -> nn.Module:
-    """The recipe's model on ``device`` (its linear layers in FP8 with ``fp8.enabled``, `remat.models.fp8`; NEFTune's
+    """The recipe's model on ``device`` (its linear layers in FP8 with ``fp8.enabled``, `remat.models.fp8`, or fake
+    quantised with ``qat.enabled``, `remat.models.qat`; NEFTune's
     noise on its embeddings with ``training.neftune_noise_alpha``; with LoRA adapters when it has a ``peft`` section); packed rows attend per document (``model.document_attention``,
     `remat.models.document_attention`). ``simulated``: built on fake tensors for the estimate of another device (FP8
     is not refused for the CPU it is built on)."""
@@ -58,6 +60,8 @@ def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str
     use_document_attention(model, cfg.model.document_attention, packed=cfg.dataset.packing)
     if cfg.fp8.enabled:  # before LoRA wraps the linear layers: the base layers run in FP8, the adapters do not
         apply_fp8(model, cfg.fp8, device, check_device=not simulated)
+    if cfg.qat.enabled:  # NOTE [ Fake quantisation, and when it starts ] (remat.models.qat)
+        apply_qat(model, cfg.qat, next(model.parameters()).dtype)
     if cfg.training.neftune_noise_alpha is not None:  # on the embedding module itself: LoRA keeps it
         from transformers.integrations.neftune import activate_neftune
 

@@ -29,6 +29,7 @@ from remat.distributed.config import AutoCheckpointing, DistributedConfig
 from remat.errors import ConfigError
 from remat.models.config import ModelConfig
 from remat.models.fp8 import FP8Config
+from remat.models.qat import QATConfig
 
 class TargetConfig(StrictModel):
     """A section naming a class or function to build (``_target_``) plus its keyword arguments.
@@ -274,6 +275,7 @@ class RecipeConfig(StrictModel):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     fp8: FP8Config = Field(default_factory=FP8Config)
+    qat: QATConfig = Field(default_factory=QATConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -41,6 +41,7 @@ from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.models.config import with_concrete_dtype
 from remat.models.fp8 import after_optimizer_step, check_fp8_device
+from remat.models.qat import set_fake_quant
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
@@ -381,6 +382,8 @@ class FinetuneRecipe:
 
     def _train_step(self) -> StepRecord:
         start = time.perf_counter()
+        if self.cfg.qat.enabled and self.cfg.qat.fake_quant_after_n_steps:  # remat.models.qat: it starts after N steps
+            set_fake_quant(self.model, self.cfg.qat, self.step + 1)
         micro_batches = [self._to_device(next(self.batches)) for _ in range(self.grad_accumulation)]
         label_tokens = step_label_tokens(micro_batches, self.dist)
         retry = self.retry

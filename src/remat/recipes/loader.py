@@ -338,6 +338,12 @@ def _warn_once(message: str, *args: Any) -> None:
 def _check_cross_section(cfg: RecipeConfig) -> None:
     if cfg.model.quantization is not None:
         _check_quantization(cfg)
+    if cfg.qat.enabled:
+        for on, key in ((cfg.fp8.enabled, "fp8.enabled"), (cfg.model.quantization is not None, "model.quantization"),
+                        (cfg.peft is not None, "peft")):
+            if on:
+                raise ConfigError(f"qat.enabled with {key}; quantization-aware training fake-quantises the full "
+                                  f"weights it trains, in the model's dtype; allowed: one of them")
     if cfg.training.neftune_noise_alpha is not None and cfg.distributed.cp_size > 1:
         raise ConfigError(f"training.neftune_noise_alpha with distributed.cp_size {cfg.distributed.cp_size}: NEFTune "
                           "scales its noise by the row's length, and each context-parallel rank holds a shard of the "

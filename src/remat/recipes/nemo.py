@@ -677,6 +677,9 @@ def _extras(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
             del fp8["recipe_name"]
         said.append("fp8: read as it is (torchao's FP8 training of the linear layers, the same keys)" if
                     fp8.get("enabled") else "fp8: read as it is (not enabled)")
+    qat = out.get("qat")
+    if isinstance(qat, dict):
+        _qat(qat, said, refused)
     if "validation_dataset" in out and out["validation_dataset"] in (None, "none", "None", "null"):
         del out["validation_dataset"]
         said.append("validation_dataset none -> no validation")
@@ -750,6 +753,23 @@ def _extras_distributed(distributed: Any, said: list[str], refused: list[str]) -
         said.append("distributed.strategy megatron_fsdp -> fsdp2 (PyTorch's FSDP2: the same sharding of parameters, "
                     "gradients and optimizer state over the data-parallel ranks, the same training; Megatron FSDP's "
                     "own bucketing and overlap are not reproduced, so step times and buffers may differ)")
+
+
+def _qat(qat: dict[str, Any], said: list[str], refused: list[str]) -> None:
+    """NeMo's ``qat`` section: its ``qat_config`` (NeMo's QATConfig over torchao's quantizers) flattened into remat's
+    ``qat`` section, which has the same keys (`remat.models.qat`)."""
+    config = qat.pop("qat_config", None)
+    if isinstance(config, Mapping):
+        target = config.get("_target_")
+        if target is not None and not str(target).endswith("quantization.qat.QATConfig"):
+            refused.append(f"qat.qat_config._target_: {target!r}; allowed: NeMo's QATConfig (quantizer_type, "
+                           "groupsize), which remat's qat section reads")
+            return
+        for key, value in config.items():
+            if key != "_target_":
+                qat[key] = value
+    said.append("qat (NeMo's QATConfig) -> qat: torchao's fake-quantising linear layers (quantizer_type, groupsize, "
+                "fake_quant_after_n_steps)" if qat.get("enabled") else "qat: read as it is (not enabled)")
 
 
 #: NeMo's parallelizers whose work is remat's own FSDP2 of each block (expert parallelism, what NeMo's MoE one adds,

@@ -68,6 +68,7 @@ RESUME_RULES: dict[str, Rule] = {
     "clip_grad_norm.*": _APPLIED,
     "compile.*": _APPLIED,
     "fp8.*": _APPLIED,
+    "qat.*": _APPLIED,
     "distributed.strategy": _LAYOUT,
     "distributed.dp_size": _LAYOUT,
     "distributed.tp_size": _LAYOUT,
