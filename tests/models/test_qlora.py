@@ -177,3 +177,11 @@ def test_a_qlora_trainer_keeps_its_own_losses_with_a_fixed_policy_and_auto_is_re
     with pytest.raises(ConfigError, match=r"^prepare_trainer: policy='auto' does not model 4-bit \(bitsandbytes\) "
                                           "weights yet; allowed: a fixed policy"):
         remat.prepare_trainer(_qlora_trainer(base, tmp_path / "auto"), "auto", memory_budget="1GiB")
+
+
+def test_the_parameter_count_is_the_weights_a_4_bit_layer_packs(base: Path) -> None:
+    from remat.models import ModelConfig, build_model, count_parameters
+
+    plain = build_model(ModelConfig(pretrained_model_name_or_path=str(base)))
+    quantised = build_model(ModelConfig(pretrained_model_name_or_path=str(base), quantization={"load_in_4bit": True}))
+    assert count_parameters(quantised) == count_parameters(plain) > 0

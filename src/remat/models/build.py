@@ -120,8 +120,11 @@ def model_from_config(
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
-    """Number of parameter elements, tied parameters counted once (works on meta-device models too)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    """Number of parameter elements, tied parameters counted once (works on meta-device models too); a 4-bit
+    layer's weight (`remat.models.quantization`) counts the weights it packs, not its bytes."""
+    unpacked = {id(module.weight): module.weight.quant_state.shape.numel() for module in model.modules()
+                if type(module).__name__ == "Linear4bit" and getattr(module.weight, "quant_state", None) is not None}
+    return sum(unpacked.get(id(p), p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def _check_vocab_argument(vocab_size: int | None) -> None:
