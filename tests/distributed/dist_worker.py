@@ -322,9 +322,11 @@ def qat_recipe(output_dir: Path, strategy: str = "fsdp2") -> dict[str, Any]:
 
 
 def qat(out: Path) -> dict[str, Any]:
-    """Quantization-aware training under FSDP2."""
-    _, result = train(qat_recipe(out / "run"))
-    return curve(result)
+    """Quantization-aware training under FSDP2, with how many fake-quantising layers are on after the run."""
+    job, result = train(qat_recipe(out / "run"))
+    on = sum(type(m).__name__.endswith("QATLinear") and bool(m.weight_fake_quantizer.enabled)
+             for m in job.model.modules())
+    return {**curve(result), "fake_quantising": on}
 
 
 def main() -> None:

@@ -50,10 +50,10 @@ def build_loss(cfg: RecipeConfig) -> Callable[..., torch.Tensor]:
 def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str = "cpu",
                        simulated: bool = False) -> nn.Module:
     """The recipe's model on ``device`` (its linear layers in FP8 with ``fp8.enabled``, `remat.models.fp8`, or fake
-    quantised with ``qat.enabled``, `remat.models.qat`; NEFTune's
-    noise on its embeddings with ``training.neftune_noise_alpha``; with LoRA adapters when it has a ``peft`` section); packed rows attend per document (``model.document_attention``,
-    `remat.models.document_attention`). ``simulated``: built on fake tensors for the estimate of another device (FP8
-    is not refused for the CPU it is built on)."""
+    quantised with ``qat.enabled``, `remat.models.qat`; NEFTune's noise on its embeddings with
+    ``training.neftune_noise_alpha``; with LoRA adapters when it has a ``peft`` section, `apply_lora`); packed rows
+    attend per document (``model.document_attention``, `remat.models.document_attention`). ``simulated``: built on
+    fake tensors for the estimate of another device (FP8 is not refused for the CPU it is built on)."""
     model = build_model(cfg.model, vocab_size=vocab_size, device=device)
     if cfg.model.embedding_row_repair is not None and not simulated:  # the weights as loaded (fake ones hold none)
         repair_embedding_rows(model, cfg.model.embedding_row_repair)
@@ -131,15 +131,43 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     if full_rank and cfg.r > full_rank:  # a rank above every layer's own adds nothing but memory (10**9: terabytes)
         raise ConfigError(f"peft.r: got {cfg.r}, more than the rank of any linear layer of {type(model).__name__} "
                           f"(at most {full_rank}: min(in, out) features); allowed: 1 to {full_rank}")
-    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+    pre = cfg.lora_dropout if cfg.dropout_position == "pre" else 0.0
+    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=pre,
                       target_modules=cfg.target_modules, exclude_modules=cfg.exclude_modules, task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings():  # peft asks transformers >= 5.2x by its deprecated name; nothing for users
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated",
                                     category=FutureWarning)
-            return get_peft_model(model, lora)
+            adapted = get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"peft: cannot apply LoRA to {type(model).__name__}: {err}") from err
+    _nemo_lora(adapted, cfg)
+    return adapted
+
+
+# NOTE [ NeMo's LoRA on PEFT's adapters ]
+# NeMo AutoModel's own LoRA starts each A Xavier-normal (PEFT: Kaiming-uniform) and drops out the adapter's output
+# (PEFT: its input); B starts at zero in both, so the model starts the same. ``peft.lora_a_init: xavier_normal``
+# draws A again after PEFT built it; ``dropout_position: post`` builds PEFT's adapters without dropout and drops out
+# B's output in a forward hook (dropout and the scaling commute), which the checkpointed blocks replay with the same
+# mask as any dropout. A recipe written for NeMo gets both, so it trains the adapters NeMo trains.
+def _nemo_lora(model: nn.Module, cfg: PeftConfig) -> None:
+    from peft.tuners.lora import LoraLayer
+
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    for layer in layers:
+        for name in layer.lora_A:
+            if cfg.lora_a_init == "xavier_normal":
+                nn.init.xavier_normal_(layer.lora_A[name].weight)
+            if cfg.dropout_position == "post" and cfg.lora_dropout > 0:
+                layer.lora_B[name].register_forward_hook(_output_dropout(cfg.lora_dropout))
+
+
+def _output_dropout(p: float) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(output, p, module.training)
+
+    return hook
 
 
 

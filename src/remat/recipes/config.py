@@ -239,6 +239,12 @@ class PeftConfig(StrictModel):
     that the whole module name must match (PEFT's meaning of a string)."""
     exclude_modules: list[str] | str | None = None
     """Modules never adapted, spelt like ``target_modules`` (PEFT's ``exclude_modules``)."""
+    lora_a_init: Literal["kaiming_uniform", "xavier_normal"] = "kaiming_uniform"
+    """How each adapter's A starts (B starts at zero either way): PEFT's Kaiming-uniform, or NeMo AutoModel's
+    Xavier-normal."""
+    dropout_position: Literal["pre", "post"] = "pre"
+    """Where ``lora_dropout`` acts: on the adapter's input (``pre``, PEFT's) or on its output (``post``, NeMo
+    AutoModel's)."""
 
     @field_validator("target_modules", "exclude_modules")
     @classmethod

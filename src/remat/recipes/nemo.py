@@ -906,11 +906,17 @@ def _peft(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
                         "module names")
     if not peft.get("exclude_modules"):
         peft.pop("exclude_modules", None)
-    dropped = [key for key in ("use_triton", "lora_A_init", "dropout_position") if peft.pop(key, None) is not None]
+    init = peft.pop("lora_A_init", "xavier")  # NeMo's defaults: NOTE [ NeMo's LoRA on PEFT's adapters ]
+    peft["lora_a_init"] = "xavier_normal" if init == "xavier" else "kaiming_uniform"
+    position = peft.pop("dropout_position", "post")
+    if position not in ("pre", "post"):
+        refused.append(f"peft.dropout_position: {position!r}; allowed: pre, post")
+    peft["dropout_position"] = position
+    dropped = [key for key in ("use_triton",) if peft.pop(key, None) is not None]
     said.append("peft (NeMo's PeftConfig) -> peft: LoRA through the peft library (dim -> r, alpha -> lora_alpha, "
-                "dropout -> lora_dropout); PEFT's adapters, not NeMo's own: A starts Kaiming-uniform (NeMo: Xavier) "
-                "and dropout acts on the adapter's input (NeMo: on its output)"
-                + (f"; {', '.join(dropped)} dropped (NeMo's kernels and init)" if dropped else ""))
+                f"dropout -> lora_dropout), started and dropped out as NeMo's LoRA (lora_a_init {peft['lora_a_init']}, "
+                f"dropout_position {position})" + (f"; {', '.join(dropped)} dropped (NeMo's kernels)"
+                                                   if dropped else ""))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
