@@ -238,9 +238,14 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], out: Path, nemo: 
     (out / "nemo_recipes.md").write_text("\n".join(lines) + "\n")
     used = sorted({key for result in results.values() for key in result.get("keys", ())})
     every = sorted({key for result in results.values() for key in result.get("all_keys", ())})
+    def lean(sweep: dict[str, Any]) -> dict[str, Any]:  # each recipe's keys are in the two inventories
+        return {name: {k: v for k, v in result.items() if k not in ("keys", "all_keys")}
+                for name, result in sweep.items()}
+
+    results, again = lean(results), lean(again or {})
     (out / "nemo_recipes.json").write_text(json.dumps({"sweep": results, "estimates": rows, "accepted_keys": used,
                                                        "published_keys": every,
-                                                       "second_round": again or {}}, indent=1, default=str))
+                                                       "second_round": again}, indent=1, default=str))
 
 
 def main() -> None:
