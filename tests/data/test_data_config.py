@@ -29,7 +29,7 @@ def test_defaults() -> None:
     [
         ({"seq_length": 1}, "seq_length", "greater than or equal to 2"),
         ({"max_samples": 0}, "max_samples", "greater than or equal to 1"),
-        ({"format": "chat"}, "format", "'auto', 'text', 'prompt_completion' or 'messages'"),
+        ({"format": "chat"}, "format", "'auto', 'text', 'prompt_completion', 'messages' or 'tokens'"),
         ({"path": ""}, "path", "must be a path, a list of paths, or null for the builtin corpus; got ''"),
         ({"path": []}, "path", "must list at least one .jsonl file"),
         ({"path": ["a.jsonl", " "]}, "path", "entry 1 is an empty string"),

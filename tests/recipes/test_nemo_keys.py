@@ -97,7 +97,7 @@ def test_each_named_dataset_builds_from_a_datasets_cache(path: Path, datasets_ca
     cfg = load_recipe(path, ["--output_dir", str(tmp_path / "run")])
     built = []
     for key, section in (("dataset", cfg.dataset), ("validation_dataset", cfg.validation_dataset)):
-        if section is None or section.path is None:
+        if section is None or (section.path is None and section.mock is None):
             continue
         dataset = build_dataset(section.model_copy(update={"seq_length": 48}), tokenizer, key_prefix=key)
         assert len(dataset) > 0, key

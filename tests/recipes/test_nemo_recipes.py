@@ -506,3 +506,15 @@ def test_nemo_s_wandb_section_is_logging_wandb_unless_it_is_switched_off() -> No
     data["wandb"] = {"project": "p", "notes": "x"}
     with pytest.raises(ConfigError, match="wandb.notes: not a Weights & Biases setting remat passes"):
         from_nemo(data)
+
+
+def test_nemo_s_mock_builder_is_dataset_mock() -> None:
+    data = yaml.safe_load((HERE / "llama_mock_compile.yaml").read_text())
+    out, said = from_nemo(data)
+    assert out["dataset"] == {"mock": {"num_sentences": 32, "mean_len": 96, "std_len": 8, "vocab_size": 100,
+                                       "max_sentence_len": 128, "seed": 4},
+                              "format": "tokens", "packing": False, "seq_length": 144, "shuffle": False}
+    assert any(line.startswith("dataset._target_ build_unpacked_dataset -> dataset.mock") for line in said)
+    data["dataset"]["num_samples"] = 5
+    with pytest.raises(ConfigError, match="dataset.num_samples: not an argument of NeMo's mock builder remat reads"):
+        from_nemo(data)

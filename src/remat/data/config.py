@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from remat.config_base import StrictModel
 
-DatasetFormat = Literal["auto", "text", "prompt_completion", "messages"]
+DatasetFormat = Literal["auto", "text", "prompt_completion", "messages", "tokens"]
 #: How each raw row becomes a prompt and an answer (`remat.data.templates`): the layouts of SQuAD and HellaSwag, or
 #: named columns (``column_mapping``).
 RowTemplate = Literal["squad", "hellaswag", "columns", "agent_chat", "xlam"]
@@ -63,6 +63,19 @@ class AgentChatOptions(StrictModel):
     """A trace whose document is still longer than ``seq_length`` is dropped (counted in a line), not cut."""
 
 
+class MockConfig(StrictModel):
+    """``dataset.mock``: rows of random token ids, for measuring a step without data (NeMo AutoModel's mock builder:
+    ids 2 to ``vocab_size`` - 1 drawn uniformly, a length drawn from a normal distribution and kept within 1 to
+    ``max_sentence_len``, then id 1 as the end; Python's generator seeded with ``seed``)."""
+
+    num_sentences: PositiveInt = 10
+    mean_len: PositiveFloat = 20.0
+    std_len: NonNegativeFloat = 6.0
+    vocab_size: int = Field(default=100, ge=3)
+    max_sentence_len: PositiveInt = 64
+    seed: int = 0
+
+
 class DatasetConfig(StrictModel):
     """Which rows to read, how to interpret them, and how to cut them into training examples.
 
@@ -83,6 +96,8 @@ class DatasetConfig(StrictModel):
     template: RowTemplate | None = None
     column_mapping: dict[str, str] | None = None
     agent_chat: AgentChatOptions | None = None
+    mock: MockConfig | None = None
+    """Random token ids instead of data (`MockConfig`); the rows are in the ``tokens`` format."""
     use_chat_template: bool | None = None
     chat_template: str | None = None
     """A file holding a Jinja chat template that renders this dataset's conversations in place of the tokenizer's
@@ -133,6 +148,10 @@ class DatasetConfig(StrictModel):
         if (self.template == "columns") != (self.column_mapping is not None):
             raise ValueError("template: 'columns' and column_mapping go together; allowed: template: columns with "
                              "column_mapping: {context: COL, question: COL, answer: COL}, or neither")
+        if self.mock is not None and (self.path is not None or self.template is not None
+                                      or self.format not in ("auto", "tokens")):
+            raise ValueError("mock: random token ids are the rows; allowed with no path, no template and format "
+                             "auto or tokens")
         if self.agent_chat is not None and self.template != "agent_chat":
             raise ValueError(f"agent_chat: options of the agent_chat template, but template is {self.template!r}; "
                              "allowed: template: agent_chat, or no agent_chat section")

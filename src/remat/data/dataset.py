@@ -127,7 +127,9 @@ def build_dataset(
     `default_split` applies when `cfg.split` is None (the builtin corpus, HF DatasetDict directories). Rows without a
     single loss target are dropped (and counted in a log line).
     """
-    if cfg.path is None and cfg.format not in ("auto", "text"):
+    if cfg.mock is not None:
+        cfg = cfg.model_copy(update={"format": "tokens"})
+    elif cfg.path is None and cfg.format not in ("auto", "text"):
         raise ConfigError(
             f"{key_prefix}.format: the builtin corpus (no {key_prefix}.path) is plain text; got {cfg.format!r}, "
             "allowed 'auto' or 'text'"

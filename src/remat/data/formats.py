@@ -263,7 +263,27 @@ def _fit_history(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], t
     return system + history[starts[-1]:] if starts else messages
 
 
-_ENCODERS = {"text": _encode_text, "prompt_completion": _encode_prompt_completion, "messages": _encode_messages}
+def _encode_tokens(
+    rows: Sequence[RawRow], cfg: DatasetConfig, tok: PreTrainedTokenizerBase, kp: str
+) -> list[EncodedDocument]:
+    """Rows already token ids (``input_ids``, with ``labels`` of -100 where no loss is wanted, else every token a
+    target), checked against the tokenizer's vocabulary, which sizes the model's embeddings."""
+    documents = []
+    for row in rows:
+        ids, labels = row.data.get("input_ids"), row.data.get("labels")
+        vocabulary = len(tok)
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocabulary for i in ids)):
+            raise ConfigError(f"{kp}.format: 'tokens' needs {row.where} to hold input_ids, a non-empty list of token "
+                              f"ids from 0 to {vocabulary - 1} (the tokenizer's vocabulary)")
+        if labels is not None and (not isinstance(labels, list) or len(labels) != len(ids)):
+            raise ConfigError(f"{kp}.format: {row.where} has labels that are not a list as long as its input_ids")
+        mask = [True] * len(ids) if labels is None else [label != -100 for label in labels]
+        documents.append(EncodedDocument(ids, mask))
+    return documents
+
+
+_ENCODERS = {"text": _encode_text, "prompt_completion": _encode_prompt_completion, "messages": _encode_messages,
+             "tokens": _encode_tokens}
 
 
 def add_document_specials(document: EncodedDocument, tokenizer: PreTrainedTokenizerBase) -> EncodedDocument:
@@ -317,7 +337,7 @@ def encode_rows(
     for group in _row_groups(rows):
         encoded = _ENCODERS[fmt](group, cfg, tokenizer, key_prefix)
         group.clear()
-        framed = [add_document_specials(document, tokenizer) for document in encoded]
+        framed = encoded if fmt == "tokens" else [add_document_specials(document, tokenizer) for document in encoded]
         kept = [document for document in framed if not (drop_longer and len(document.input_ids) > cfg.seq_length)]
         dropped += len(framed) - len(kept)
         documents.extend(kept)

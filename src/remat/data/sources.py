@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import logging
+import random
 import re
 import sys
 from collections.abc import Iterator, Mapping
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from remat._files import open_regular, read_regular_bytes
-from remat.data.config import DatasetConfig
+from remat.data.config import DatasetConfig, MockConfig
 from remat.data.corpus import builtin_documents
 from remat.errors import ConfigError
 from remat.hub import hub_load_error, is_hub_id, offline_unless_reachable
@@ -280,14 +281,25 @@ def _rows_of_path(raw: str, cfg: DatasetConfig, split: str, key_prefix: str, key
         raise ConfigError(f"{key}: {raw!r} is not a {_JSONL_SUFFIX} file; expected {allowed}")
 
 
+def _mock_rows(cfg: MockConfig) -> Iterator[RawRow]:
+    """`MockConfig`'s rows: ``{"input_ids": [...]}``, the same ids NeMo AutoModel's mock builder draws for a seed."""
+    draw = random.Random(cfg.seed)
+    ids = range(2, cfg.vocab_size)
+    for index in range(cfg.num_sentences):
+        length = max(1, min(cfg.max_sentence_len, int(draw.gauss(cfg.mean_len, cfg.std_len))))
+        yield RawRow({"input_ids": [*draw.choices(ids, k=length), 1]}, f"mock row {index}")
+
+
 def iter_rows(cfg: DatasetConfig, *, default_split: str = "train", key_prefix: str = "dataset") -> Iterator[RawRow]:
     """The rows the config names, in order, read lazily and cut to `cfg.max_samples`; the builtin corpus yields
     `{"text": ...}`."""
     split = cfg.split if cfg.split is not None else default_split
     paths = cfg.paths
-    if paths is None:
+    if cfg.mock is not None:
+        rows: Iterator[RawRow] = _mock_rows(cfg.mock)
+    elif paths is None:
         documents = builtin_documents(split, key=f"{key_prefix}.split")
-        rows: Iterator[RawRow] = (
+        rows = (
             RawRow({cfg.text_field: text}, f"builtin corpus[{split}] document {index}")
             for index, text in enumerate(documents)
         )

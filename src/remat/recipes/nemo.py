@@ -486,7 +486,9 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
     for key in ("dataset", "validation_dataset"):
         section = out.get(key)
         target = section.get("_target_") if isinstance(section, dict) else None
-        if isinstance(target, str) and target in _BUILDERS:
+        if target == _MOCK_BUILDER:
+            out[key] = _mock_builder(key, section, said, refused)
+        elif isinstance(target, str) and target in _BUILDERS:
             out[key] = _builder(key, section, out.get("model"), said, refused)
         elif isinstance(target, str):
             refused.append(f"{key}._target_: {target!r} is NeMo's dataset code, which remat has no counterpart for; "
@@ -517,6 +519,26 @@ def _data(out: dict[str, Any], said: list[str], refused: list[str]) -> None:
             out[dataset_key]["shuffle"] = bool(section["shuffle"])
         said.append(f"{loader}: remat's own loader and collation" +
                     (f" (shuffle -> {dataset_key}.shuffle)" if "shuffle" in section else ""))
+
+
+#: NeMo's builder of random token ids, and its arguments (remat's ``dataset.mock``).
+_MOCK_BUILDER: Final[str] = _BUILDER_PREFIX + "mock.build_unpacked_dataset"
+_MOCK_ARGS: Final[tuple[str, ...]] = ("num_sentences", "mean_len", "std_len", "vocab_size", "max_sentence_len", "seed")
+
+
+def _mock_builder(key: str, section: dict[str, Any], said: list[str], refused: list[str]) -> dict[str, Any]:
+    """NeMo's mock builder as ``dataset.mock`` (the same ids for the same seed, `remat.data.sources`): rows as long as
+    the longest sentence and its end id, one sentence each."""
+    args = {name: value for name, value in section.items() if name not in ("_target_", "tokenizer")}
+    for name in sorted(set(args) - set(_MOCK_ARGS)):
+        refused.append(f"{key}.{name}: not an argument of NeMo's mock builder remat reads; allowed: "
+                       f"{', '.join(_MOCK_ARGS)}")
+    mock = {name: args[name] for name in _MOCK_ARGS if name in args}
+    longest = -(-(int(mock.get("max_sentence_len", 64)) + 1) // 16) * 16  # padded to a multiple of 16, as FP8 needs
+    said.append(f"{key}._target_ build_unpacked_dataset -> {key}.mock (the same random token ids for the seed; "
+                f"format tokens, rows of seq_length {longest}: the longest sentence and its end id, padded to a "
+                "multiple of 16)")
+    return {"mock": mock, "format": "tokens", "packing": False, "seq_length": longest}
 
 
 def _builder(key: str, section: dict[str, Any], model: Any, said: list[str], refused: list[str]) -> dict[str, Any]:
