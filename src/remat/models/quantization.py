@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-FloatDtype = Literal["float32", "bfloat16", "float16"]
+# In the order of distributed.mixed_precision's choices: pydantic reuses the schema of an equal Literal (the same
+# names in any order), so two orders would make one key's message depend on which was validated first.
+FloatDtype = Literal["bfloat16", "float16", "float32"]
 
 
 class QuantizationConfig(StrictModel):
