@@ -83,8 +83,13 @@ def _check_int4_layout(model: nn.Module, cfg: QATConfig) -> None:
                               f"{module.in_features}; allowed: int8_dynact_int4weight, or another groupsize")
 
 
-def set_fake_quant(model: nn.Module, cfg: QATConfig, step: int) -> None:
-    """Fake quantisation on for the 1-based ``step`` exactly when it comes after ``fake_quant_after_n_steps``."""
+def fake_quant_wanted(cfg: QATConfig, step: int) -> bool:
+    """Whether the 1-based ``step`` fake-quantises: exactly when it comes after ``fake_quant_after_n_steps``."""
+    return step > cfg.fake_quant_after_n_steps
+
+
+def set_fake_quant(model: nn.Module, cfg: QATConfig, on: bool) -> None:
+    """Fake quantisation of ``model``'s QAT layers on or off (they start on)."""
     from torchao.quantization.qat.linear import (
         disable_4w_fake_quant,
         disable_8da4w_fake_quant,
@@ -92,7 +97,6 @@ def set_fake_quant(model: nn.Module, cfg: QATConfig, step: int) -> None:
         enable_8da4w_fake_quant,
     )
 
-    on = step > cfg.fake_quant_after_n_steps
     if cfg.quantizer_type == "int8_dynact_int4weight":
         model.apply(enable_8da4w_fake_quant if on else disable_8da4w_fake_quant)
     else:

@@ -41,7 +41,7 @@ from remat.memory import StepMemoryMeter, max_over_ranks
 from remat.models import count_parameters
 from remat.models.config import with_concrete_dtype
 from remat.models.fp8 import after_optimizer_step, check_fp8_device
-from remat.models.qat import set_fake_quant
+from remat.models.qat import fake_quant_wanted, set_fake_quant
 from remat.recipes.build import build_optimizer, build_recipe_model, build_training_module, distributed_setup
 from remat.recipes.config import RecipeConfig
 from remat.recipes.lr_schedule import build_lr_scheduler
@@ -186,6 +186,7 @@ class FinetuneRecipe:
         with quiet_log("remat.checkpointing.apply"):  # the setup report prints the plan's table, once
             self.compute_loss = build_training_module(self.model, cfg, self.dist)
         self.optimizer = build_optimizer(cfg, (p for p in self.model.parameters() if p.requires_grad))
+        self.fake_quant_on = True  # the QAT layers start fake-quantising (remat.models.qat)
         self.after_update = functools.partial(after_optimizer_step, self.model, cfg.fp8) if (
             cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp) else None
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.step_scheduler.max_steps)
@@ -382,8 +383,9 @@ class FinetuneRecipe:
 
     def _train_step(self) -> StepRecord:
         start = time.perf_counter()
-        if self.cfg.qat.enabled and self.cfg.qat.fake_quant_after_n_steps:  # remat.models.qat: it starts after N steps
-            set_fake_quant(self.model, self.cfg.qat, self.step + 1)
+        if self.cfg.qat.enabled and fake_quant_wanted(self.cfg.qat, self.step + 1) != self.fake_quant_on:
+            self.fake_quant_on = not self.fake_quant_on  # switched when it changes (twice a run at most), not per step
+            set_fake_quant(self.model, self.cfg.qat, self.fake_quant_on)
         micro_batches = [self._to_device(next(self.batches)) for _ in range(self.grad_accumulation)]
         label_tokens = step_label_tokens(micro_batches, self.dist)
         retry = self.retry
