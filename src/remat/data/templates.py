@@ -216,24 +216,21 @@ class _TraceConverter:
     def convert(self, turns: list[Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         answered = 0
-        for turn in turns:
+        for index, turn in enumerate(turns):
             role = turn.get("role")
             if role not in _ROLES:
                 raise ValueError(f"role {role!r} is not one of {sorted(_ROLES)}")
             content = turn.get("content")
             if role == "tool_call":
-                if not (out and out[-1].get("_open_calls")):
+                if index == 0 or turns[index - 1].get("role") != "tool_call":  # a new group of parallel calls
                     self.pending, answered = [], 0
                     if out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1]:
                         out[-1]["tool_calls"] = []
                     else:
                         out.append({"role": "assistant", "content": "", "tool_calls": []})
-                    out[-1]["_open_calls"] = True
                 call = _json(content or "{}")
                 out[-1]["tool_calls"].append(self._call(call.get("name"), call.get("arguments", "")))
                 continue
-            if out:
-                out[-1].pop("_open_calls", None)
             if role in ("tool_response", "tool"):
                 given = turn.get("tool_call_id")
                 call_id = given if isinstance(given, str) and given else (
@@ -257,8 +254,6 @@ class _TraceConverter:
                                                         call["function"].get("arguments", ""), call.get("id"))
                                              for call in turn["tool_calls"]]
             out.append(message)
-        if out:
-            out[-1].pop("_open_calls", None)
         return out
 
 
