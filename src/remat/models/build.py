@@ -32,7 +32,7 @@ from remat.errors import ConfigError
 from remat.hub import hub_load_error, offline_unless_reachable
 from remat.models.config import ModelConfig, with_concrete_dtype
 from remat.models.presets import get_preset, preset_for_hub_id
-from remat.models.quantization import keep_one_layout
+from remat.models.quantization import keep_one_layout, packed_weights
 from remat.models.shape import check_config_shape, check_buildable
 
 logger = logging.getLogger(__name__)
@@ -122,8 +122,7 @@ def model_from_config(
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Number of parameter elements, tied parameters counted once (works on meta-device models too); a 4-bit
     layer's weight (`remat.models.quantization`) counts the weights it packs, not its bytes."""
-    unpacked = {id(module.weight): module.weight.quant_state.shape.numel() for module in model.modules()
-                if type(module).__name__ == "Linear4bit" and getattr(module.weight, "quant_state", None) is not None}
+    unpacked = packed_weights(model)
     return sum(unpacked.get(id(p), p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 

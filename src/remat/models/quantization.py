@@ -90,8 +90,9 @@ def dequantized_weights(model: nn.Module, state: dict[str, torch.Tensor], dtype:
     import bitsandbytes as bnb
 
     out = dict(state)
+    layers = {id(layer) for layer in four_bit_layers(model)}
     for name, module in model.named_modules():
-        if not isinstance(module, bnb.nn.Linear4bit):
+        if id(module) not in layers:
             continue
         key = f"{name}.weight"
         quant_state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
@@ -119,12 +120,21 @@ def keep_one_layout(model: nn.Module) -> int:
     return len(layers)
 
 
-def packed_weights(model: nn.Module) -> set[int]:
-    """The ids of ``model``'s 4-bit packed weights: bytes of two 4-bit codes each, stored in a float dtype when
-    ``bnb_4bit_quant_storage`` is one, so not numbers a finiteness check can read."""
-    return {id(module.weight) for module in model.modules() if type(module).__name__ == "Linear4bit"}
+def four_bit_layers(model: nn.Module) -> list[nn.Module]:
+    """``model``'s bitsandbytes 4-bit linear layers (found by class name and module, not imported: bitsandbytes is
+    imported to build them only; peft's LoRA wrapper of one has the same class name)."""
+    return [module for module in model.modules() if type(module).__name__ == "Linear4bit"
+            and type(module).__module__.startswith("bitsandbytes.")]
+
+
+def packed_weights(model: nn.Module) -> dict[int, int]:
+    """The ids of ``model``'s 4-bit packed weights (bytes of two 4-bit codes each, stored in a float dtype when
+    ``bnb_4bit_quant_storage`` is one, so not numbers a finiteness check can read), each with the number of weights
+    it packs."""
+    return {id(layer.weight): (state.shape.numel() if (state := getattr(layer.weight, "quant_state", None)) is not None
+                               else layer.weight.numel()) for layer in four_bit_layers(model)}
 
 
 def is_quantized(model: nn.Module) -> bool:
     """Whether ``model`` holds 4-bit bitsandbytes layers (`model.quantization`)."""
-    return any(type(module).__name__ == "Linear4bit" for module in model.modules())
+    return bool(four_bit_layers(model))
