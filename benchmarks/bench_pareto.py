@@ -19,7 +19,9 @@ that a run stopped by its time budget still answers the issue's questions):
    TorchTitan-like op list), transformers' checkpointing with ``offload=True`` + Liger, TRL's activation offloading
    with transformers' checkpointing (TRL's defaults) + Liger;
 6. compiled: remat ``full`` with each block compiled (the recipe's ``compile: {enabled: true}``), and
-   ``torch.compile`` per block with the partitioner's ``activation_memory_budget`` 0.3 and 0.1 (no checkpointing).
+   ``torch.compile`` per block with the partitioner's ``activation_memory_budget`` 0.3 and 0.1 (no checkpointing);
+7. remat ``auto`` with compiled blocks at each budget (``auto, compiled blocks @ ...``), planned on blocks the planner
+   simulates compiled (`remat.estimate.compiled`), predicted from ``none, compiled blocks``' step.
 
 Per row: ``--warmup`` steps, one step between ``reset_peak_memory_stats`` and ``max_memory_allocated`` (the peak),
 ``--steps`` timed steps (the median). A row that fails is recorded with its error and the others go on; a row that
@@ -49,7 +51,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from unittest import mock
 
 import torch
@@ -186,10 +188,12 @@ def specs(args: argparse.Namespace, wanted: Callable[[str], bool]) -> list[Spec]
 # --- measuring ------------------------------------------------------------------------------------------------------
 
 
-def settings_for(args: argparse.Namespace, device: torch.device, policy: Any, loss: str) -> StepSettings:
+def settings_for(args: argparse.Namespace, device: torch.device, policy: Any, loss: str,
+                 compile: CompileConfig | None = None) -> StepSettings:
     name, _, backend = loss.partition(":")
     return StepSettings(batch_size=args.batch, seq_length=args.seq, dtype=args.dtype, policy=policy, loss=name,
-                        loss_kwargs={"backend": backend} if backend else {}, target=device.type)
+                        loss_kwargs={"backend": backend} if backend else {}, target=device.type,
+                        compile=compile.model_dump(mode="json") if compile is not None else None)
 
 
 @contextlib.contextmanager
@@ -256,24 +260,29 @@ def fit_rates(rows: Sequence[Row], device: torch.device) -> Calibration | None:
 
 
 def auto_specs(args: argparse.Namespace, device: torch.device, calibration: Calibration | None,
-               budgets: Sequence[int]) -> tuple[list[Spec], dict[int, Any]]:
-    """One ``auto`` row per budget, planned with the fitted rates; and each budget's plan (or the error planning
-    raised, as text)."""
+               budgets: Sequence[int], compile: CompileConfig | None = None) -> tuple[list[Spec], dict[str, Any]]:
+    """One ``auto`` row per budget, planned with the fitted rates (for blocks compiled as ``compile`` says, when
+    given: the planner simulates them compiled); and each row's plan (or the error planning raised, as text), by
+    label."""
     rates = {} if calibration is None else {"flops_per_second": calibration.flops_per_second,
                                             "memory_bytes_per_second": calibration.memory_bytes_per_second}
-    planner = Planner.from_settings(resolve_model(args.preset), settings_for(args, device, "none", "fused"),
+    planner = Planner.from_settings(resolve_model(args.preset), settings_for(args, device, "none", "fused", compile),
                                     **rates)
     rows, plans = [], {}
     for budget in budgets:
-        label = f"auto @ {format_bytes(budget)}"
+        label = f"{AUTO_COMPILED if compile is not None else 'auto'} @ {format_bytes(budget)}"
         try:
             plan = planner.plan(budget)
         except Exception as err:
-            plans[budget] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            plans[label] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
             continue
-        plans[budget] = plan
-        rows.append(Spec(label, "remat", plan.policy.to_dict(), "fused", budget_bytes=budget))
+        plans[label] = plan
+        rows.append(Spec(label, "remat", plan.policy.to_dict(), "fused", budget_bytes=budget, compile=compile))
     return rows, plans
+
+
+AUTO_COMPILED: Final[str] = "auto, compiled blocks"
+"""The label (before `` @ budget``) of the ``auto`` rows planned for and run with compiled blocks."""
 
 
 # --- the report -----------------------------------------------------------------------------------------------------
@@ -282,28 +291,32 @@ def auto_specs(args: argparse.Namespace, device: torch.device, calibration: Cali
 def verdicts(rows: Sequence[Row], budgets: Sequence[int]) -> list[str]:
     """Per budget: the fastest row that fits it, remat's fastest, and auto's time against the fastest."""
     lines = ["| budget | fastest row that fits | its step s | remat's fastest | its step s | auto's step s | "
-             "auto vs fastest |", "|---:|---|---:|---|---:|---:|---:|"]
+             "auto vs fastest | auto's step s, compiled blocks | vs fastest |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for budget in budgets:
         fits = [r for r in rows if r.median_seconds is not None and r.peak_bytes and r.peak_bytes <= budget]
         if not fits:
-            lines.append(f"| {format_bytes(budget)} | nothing measured fits | | | | | |")
+            lines.append(f"| {format_bytes(budget)} | nothing measured fits | | | | | | | |")
             continue
         best = min(fits, key=lambda r: r.median_seconds or 0.0)
         mine = [r for r in fits if r.owner == "remat"]
         remat_best = min(mine, key=lambda r: r.median_seconds or 0.0) if mine else None
-        auto = next((r for r in rows if r.budget_bytes == budget and r.median_seconds is not None), None)
-        auto_fits = auto is not None and auto.peak_bytes is not None and auto.peak_bytes <= budget
-        ratio = (auto.median_seconds / best.median_seconds if auto is not None and auto.median_seconds
-                 and best.median_seconds else None)
+        cells = []
+        for prefix in ("auto @ ", f"{AUTO_COMPILED} @ "):
+            auto = next((r for r in rows if r.budget_bytes == budget and r.label.startswith(prefix)
+                         and r.median_seconds is not None), None)
+            auto_fits = auto is not None and auto.peak_bytes is not None and auto.peak_bytes <= budget
+            ratio = (auto.median_seconds / best.median_seconds if auto is not None and auto.median_seconds
+                     and best.median_seconds else None)
+            cells.append(f"{_fmt(auto.median_seconds if auto else None, '.3f')}"
+                         f"{'' if auto is None or auto_fits else ' (over)'} | {_fmt(ratio, '.3f')}")
         lines.append(f"| {format_bytes(budget)} | {best.label} | {_fmt(best.median_seconds, '.3f')} | "
                      f"{remat_best.label if remat_best else '-'} | "
-                     f"{_fmt(remat_best.median_seconds if remat_best else None, '.3f')} | "
-                     f"{_fmt(auto.median_seconds if auto else None, '.3f')}{'' if auto is None or auto_fits else ' (over)'}"
-                     f" | {_fmt(ratio, '.3f')} |")
+                     f"{_fmt(remat_best.median_seconds if remat_best else None, '.3f')} | {' | '.join(cells)} |")
     return lines
 
 
-def render(rows: Sequence[Row], meta: dict[str, Any], budgets: Sequence[int], plans: dict[int, Any],
+def render(rows: Sequence[Row], meta: dict[str, Any], budgets: Sequence[int], plans: dict[str, Any],
            calibration: Calibration | None) -> str:
     base = next((r for r in rows if r.label == "none" and r.median_seconds), None)
     lines = [*report_header(f"Memory against step time on {meta['device']}", meta, "bench_pareto.py",
@@ -324,10 +337,8 @@ def render(rows: Sequence[Row], meta: dict[str, Any], budgets: Sequence[int], pl
     if calibration is not None:
         lines += [f"Rates fitted from the uniform rows (`{calibration.method}`): {calibration.describe()}.", ""]
     lines += ["## Plans", ""]
-    for budget in budgets:
-        plan = plans.get(budget)
-        if plan is not None:
-            lines.append(f"- auto @ {format_bytes(budget)}: {plan if isinstance(plan, str) else plan.summary()}")
+    for label, plan in plans.items():
+        lines.append(f"- {label}: {plan if isinstance(plan, str) else plan.summary()}")
     lines += [f"- `{r.label}`: {r.plan}" for r in rows if r.plan]
     return "\n".join(lines) + "\n"
 
@@ -369,12 +380,12 @@ def plot(rows: Sequence[Row], budgets: Sequence[int], meta: dict[str, Any], path
     return path
 
 
-def write(rows: Sequence[Row], meta: dict[str, Any], out: Path, budgets: Sequence[int], plans: dict[int, Any],
+def write(rows: Sequence[Row], meta: dict[str, Any], out: Path, budgets: Sequence[int], plans: dict[str, Any],
           calibration: Calibration | None, *, chart: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"].lower()).strip("_")
     stem = out / f"pareto_{slug}"
-    plan_data = {format_bytes(b): (p if isinstance(p, str) else p.to_dict()) for b, p in plans.items()}
+    plan_data = {label: (p if isinstance(p, str) else p.to_dict()) for label, p in plans.items()}
     stem.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "budgets": list(budgets), "calibration": calibration.to_dict() if calibration else None,
          "plans": plan_data, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
@@ -390,7 +401,7 @@ def write(rows: Sequence[Row], meta: dict[str, Any], out: Path, budgets: Sequenc
 def run(args: argparse.Namespace, device: torch.device, meta: dict[str, Any]) -> list[Row]:
     start = time.perf_counter()
     rows: list[Row] = []
-    plans: dict[int, Any] = {}
+    plans: dict[str, Any] = {}
     calibration: Calibration | None = None
     budgets = list(args.budgets or [])
 
@@ -420,21 +431,28 @@ def run(args: argparse.Namespace, device: torch.device, meta: dict[str, Any]) ->
         peaks = {r.label: r.peak_bytes for r in rows if r.peak_bytes}
         if "none" in peaks and "full" in peaks:
             budgets = [peaks["full"] + (peaks["none"] - peaks["full"]) // 2, peaks["none"] + peaks["none"] // 10]
-    if wanted("auto") and budgets:
+    def auto_rows(compile: CompileConfig | None, base_label: str) -> None:
         try:
-            auto, plans = auto_specs(args, device, calibration, budgets)
+            auto, planned = auto_specs(args, device, calibration, budgets, compile)
         except Exception as err:
             traceback.print_exc()
-            auto, plans = [], {b: f"{type(err).__name__}: {err}" for b in budgets}
-        base = next((r for r in rows if r.label == "none" and r.median_seconds), None)
+            auto, planned = [], {f"{AUTO_COMPILED if compile else 'auto'} @ {format_bytes(b)}":
+                                 f"{type(err).__name__}: {err}" for b in budgets}
+        plans.update(planned)
+        base = next((r for r in rows if r.label == base_label and r.median_seconds), None)
         for spec in auto:
             one(spec)
-            plan = plans[spec.budget_bytes]
+            plan = planned[spec.label]
             rows[-1].predicted_peak_bytes = plan.peak_bytes
-            if base is not None:
+            if base is not None:  # compiled rows: recompute priced at the eager rates (docs/planner.md)
                 rows[-1].predicted_seconds = base.median_seconds + plan.recompute_seconds + plan.transfer_seconds
+
+    if wanted("auto") and budgets:
+        auto_rows(None, "none")
     for spec in after:
         one(spec)
+    if wanted(AUTO_COMPILED) and budgets:
+        auto_rows(CompileConfig(enabled=True), "none, compiled blocks")
     write(rows, meta, args.out, budgets, plans, calibration, chart=True)
     return rows
 

@@ -337,14 +337,15 @@ def test_a_peft_lora_model_is_planned_with_its_adapters_not_as_a_full_fine_tune(
     assert lora.peak_bytes < 0.6 * full.peak_bytes
 
 
-def test_a_plan_of_a_recipe_that_compiles_its_blocks_says_it_planned_eager_blocks() -> None:
+def test_a_plan_of_a_recipe_that_compiles_its_blocks_says_it_simulated_them_compiled() -> None:
     from tiny import tiny_recipe
 
     from remat.planner.api import plan_recipe
-    from remat.planner.planner import COMPILED_BLOCKS_NOTE
 
-    eager = validate_recipe(tiny_recipe())
-    compiled = validate_recipe(tiny_recipe(compile={"enabled": True}))
-    assert COMPILED_BLOCKS_NOTE not in plan_recipe(eager, budget="1GiB", target="cpu").notes
+    unpacked = {"preset": "tiny-llama", "document_attention": False}  # tests/estimate/test_compiled_blocks.py
+    eager = validate_recipe(tiny_recipe(model=unpacked))
+    compiled = validate_recipe(tiny_recipe(model=unpacked, compile={"enabled": True}))
+    assert not any(note.startswith("compile:") for note in plan_recipe(eager, budget="1GiB", target="cpu").notes)
     plan = plan_recipe(compiled, budget="1GiB", target="cpu")
-    assert COMPILED_BLOCKS_NOTE in plan.notes and COMPILED_BLOCKS_NOTE in plan.summary() + str(plan)
+    note = next(note for note in plan.notes if note.startswith("compile:"))
+    assert "simulated compiled (inductor's partition" in note and note in plan.summary() + str(plan)

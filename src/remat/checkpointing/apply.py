@@ -97,7 +97,8 @@ def _watch_first_run(modules: dict[str, nn.Module], plan: CheckpointPlan) -> Non
     # NOTE [ Checking what ran, not what was wrapped ]
     # `resolve_plan` refuses a policy that wraps nothing, but wrapping a module does not make the block call it.
     # The check runs once per block, on its first forward (hooks that remove themselves), so steps after the first
-    # pay nothing; under torch.compile the hooks do nothing (the eager first steps of other runs cover the model).
+    # pay nothing; under torch.compile the hooks do nothing (the eager first steps of other runs cover the model), nor
+    # after the estimate compiled the block's forward (`_compiled_forward`).
     """
     called: set[str] = set()
     for layer in plan.layers:
@@ -119,7 +120,7 @@ def _mark_called(called: set[str], name: str) -> Callable[..., None]:
 def _check_called(called: set[str], block: str, inner: list[str], plan: CheckpointPlan,
                   handles: list[Any]) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _compiled_forward(module):
             return
         for handle in handles:  # once per block: later steps pay nothing
             handle.remove()
@@ -130,6 +131,12 @@ def _check_called(called: set[str], block: str, inner: list[str], plan: Checkpoi
                 f"{'it' if len(missed) == 1 else 'them'} (it reaches its members another way): nothing would be "
                 "recomputed there; allowed: a policy that wraps whole blocks (full, selective, sqrt, offload)")
     return hook
+
+
+def _compiled_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s forward itself was compiled (the estimate compiles a block's forward, not its call, so
+    its hooks stay eager: `remat.estimate.compiled`); its sub-modules' hooks then ran while dynamo traced."""
+    return hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
 
 
 def remove_activation_checkpointing(model: nn.Module) -> int:

@@ -89,13 +89,16 @@ def cuda_attention_kernel(
 class CudaAttention:
     """While entered, ``F.scaled_dot_product_attention`` runs the CUDA kernel's op (see the module docstring).
 
-    ``kernels`` counts the calls per kernel (recomputations included), so callers can report what was modelled.
+    The flash and efficient kernels' calls are counted where their ops run (`KERNEL_OPS`, in the simulation's
+    dispatch mode), recomputations included: a compiled block runs this function once, while dynamo traces it, and
+    a count kept here would be a side effect dynamo cannot keep inside a checkpointed region. The math kernel's op
+    is a composite that reaches no dispatch mode, so its eager calls are counted here (``math_calls``).
     Not re-entrant, and not thread-safe: the replacement is process-wide while entered.
     """
 
     def __init__(self) -> None:
-        self.kernels: dict[str, int] = dict.fromkeys(CUDA_ATTENTION_KERNELS, 0)
         self._original: Callable[..., torch.Tensor] | None = None
+        self.math_calls = 0
 
     def __enter__(self) -> CudaAttention:
         if self._original is not None:
@@ -121,7 +124,8 @@ class CudaAttention:
     ) -> torch.Tensor:
         query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
         kernel = cuda_attention_kernel(query, key, value, attn_mask, enable_gqa)
-        self.kernels[kernel] += 1
+        if kernel == "math" and not torch.compiler.is_compiling():
+            self.math_calls += 1
         if scale is None:
             scale = 1.0 / math.sqrt(query.shape[-1])
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # ATen does this for every kernel but cuDNN
@@ -238,6 +242,13 @@ _WORKSPACES: Final[dict[Any, Callable[[tuple[Any, ...]], list[torch.Tensor]]]] =
 
 
 CPU_ATTENTION_OP: Final[Any] = _aten._scaled_dot_product_flash_attention_for_cpu.default
+
+KERNEL_OPS: Final[dict[Any, str]] = {
+    _aten._scaled_dot_product_flash_attention.default: "flash",
+    _aten._scaled_dot_product_efficient_attention.default: "efficient",
+}
+"""The op the flash and efficient kernels run as (`CudaAttention`): each dispatch is a forward call of that kernel,
+recomputations included."""
 """The CPU kernel: seeing it while modelling CUDA means a call bypassed `CudaAttention`."""
 
 

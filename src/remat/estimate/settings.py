@@ -37,7 +37,9 @@ class StepSettings:
     ``batch_size`` is the per-rank micro-batch (``step_scheduler.local_batch_size``), ``grad_accumulation`` the
     micro-batches per step, ``policy`` ``distributed.activation_checkpointing``, ``loss`` ``"plain"`` / ``"fused"`` or
     a ``loss_fn._target_``; ``dtype``/``autocast`` None keep the model config's; ``peft`` the recipe's LoRA section
-    (``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``; None trains every parameter). ``base``: the recipe the other
+    (``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``; None trains every parameter); ``compile`` the recipe's
+    ``compile`` section (``{"enabled": True, "backend": "inductor"}``: blocks simulated compiled,
+    `remat.estimate.compiled`; None: ``base``'s, else eager). ``base``: the recipe the other
     fields override (its remaining keys, e.g. ``distributed.fsdp_reduce_every_micro_batch``, are kept).
     """
 
@@ -62,6 +64,7 @@ class StepSettings:
     target: Target = "cuda"
     custom_target_packages: tuple[str, ...] = ()
     peft: Mapping[str, Any] | None = None
+    compile: Mapping[str, Any] | None = None
     base: RecipeConfig | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
@@ -136,6 +139,8 @@ class StepSettings:
             "custom_target_packages": list(self.custom_target_packages),
             "peft": dict(self.peft) if self.peft is not None else None,
         })
+        if self.compile is not None:
+            data["compile"] = dict(self.compile)
         return validate_recipe(data)
 
     @classmethod
@@ -162,7 +167,8 @@ class StepSettings:
             mixed_precision=d.mixed_precision,
             grad_accumulation=accumulation, vocab_size=vocab_size,
             custom_target_packages=tuple(cfg.custom_target_packages),
-            peft=cfg.peft.model_dump(mode="json") if cfg.peft is not None else None, base=cfg,
+            peft=cfg.peft.model_dump(mode="json") if cfg.peft is not None else None,
+            compile=cfg.compile.model_dump(mode="json") if cfg.compile.enabled else None, base=cfg,
         )
         if "loss" in options and options["loss"] != loss:
             options.setdefault("loss_kwargs", {})  # the recipe's loss arguments belong to the recipe's loss

@@ -45,10 +45,12 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._ops import HigherOrderOperator
 from torch import Tensor
 from torch import nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
@@ -62,7 +64,10 @@ from remat.distributed.setup import device_mesh
 from remat.distributed.layout import world_layout
 from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
-from remat.estimate.attention import CPU_ATTENTION_OP, CudaAttention, backward_workspace
+from remat.estimate.compiled import (EAGER_FALLBACK_NOTE, CompiledRegionTracker, compile_simulated_blocks,
+                                     compiled_blocks_notes, simulated_compile, simulated_recompile_limit)
+from remat.estimate.attention import (CPU_ATTENTION_OP, CUDA_ATTENTION_KERNELS, KERNEL_OPS, CudaAttention,
+                                      backward_workspace)
 from remat.estimate.fake_model import build_fake_model
 from remat.estimate.limits import check_simulated_sizes
 from remat.estimate.offload import count_offload_on_host, describe_offload
@@ -169,13 +174,25 @@ class _SimulationMode(TorchDispatchMode):
     selection, mask decisions); and, when modelling CUDA, allocates the attention backward kernels' workspaces
     around their ops so that the tracker counts them."""
 
+    # A simulated compiled block's graphs run under it (NOTE [ Compiled blocks on fake tensors ]), with the
+    # higher-order ops inductor's partition leaves in them (``run_and_save_rng_state``): passed down as they are.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __init__(self, cuda: bool, balanced_routing: bool = False) -> None:
         super().__init__()
         self.cuda = cuda
         self.balanced_routing = balanced_routing
         self.cpu_attention_calls = 0
+        self.attention_kernels: dict[str, int] = {}
+        """Forward calls per CUDA attention kernel (`KERNEL_OPS`), recomputations included."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         if func is _DEVICE_OP and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
             # Half the ops of a step are device queries (the autograd engine asks for every gradient); answered
             # here as the fake mode answers them, they skip the modes below, which neither allocate nor record.
@@ -208,6 +225,8 @@ class _SimulationMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if func is CPU_ATTENTION_OP:
             self.cpu_attention_calls += 1
+        elif func in KERNEL_OPS:
+            self.attention_kernels[KERNEL_OPS[func]] = self.attention_kernels.get(KERNEL_OPS[func], 0) + 1
         workspace = backward_workspace(func, args)
         try:
             return func(*args, **kwargs)
@@ -380,9 +399,8 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
     accumulation = check_simulable(recipe, run)
     if run.target == "cuda":
         recipe = with_cuda_loss_defaults(recipe)
-    recipe, notes = _eager_blocks(recipe)
+    compiled = simulated_compile(recipe.compile)
     trace = StepTrace(recipe, run)
-    trace.notes += notes
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     strategy = recipe.distributed.strategy
@@ -392,7 +410,8 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
         net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
         # FSDP2 over a tensor-parallel mesh builds a joined mesh from its real rank tensor: real ops stay real.
         with fake, _SimulationMode(cuda=False), quiet_log("remat.distributed.setup"):  # (the cp line is the run's)
-            root = build_training_module(net, recipe, setup)
+            root = build_training_module(net, recipe, setup, block_compiler=compiled and partial(
+                compile_simulated_blocks, settings=recipe.compile, backend=compiled))
         if setup.plan is not None:
             trace.notes.append(f"activation checkpointing: {setup.plan.summary()}")
         params = list(net.parameters())
@@ -415,7 +434,8 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
         mode = _SimulationMode(cuda=run.target == "cuda", balanced_routing=balanced_routing)
         parts = root.decoder if root.use_hidden_states else net
         hooks = [parts.register_forward_hook(lambda *_: trace.mark("loss"))]
-        tracker = LiveTensorTracker(module=root, optimizer=optimizer, listener=trace.listener)
+        tracker = (CompiledRegionTracker if compiled else LiveTensorTracker)(
+            module=root, optimizer=optimizer, listener=trace.listener)
         if blocks:
             hooks += _record_blocks(trace, net, recipe, setup, tracker)
         offload = count_offload_on_host(setup.plan, tracker, run)
@@ -427,7 +447,7 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
             tracker.mark(label)
 
         try:
-            with fake, attention, scope(), tracker, mode:
+            with fake, attention, scope(), tracker, mode, simulated_recompile_limit():
                 # On a GPU the recipe moves the step's micro-batches to the device before the step: they count. On
                 # the CPU they are the loader's tensors, which the tracker does not count. Two micro-batches give the
                 # peak of any number (the third and later ones repeat the second), so only those two are real
@@ -450,26 +470,25 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
         finally:
             for hook in hooks:
                 hook.remove()
+    if compiled is not None and compiled.runs == 0:
+        # dynamo ran every block eagerly (NOTE [ Compiled blocks on fake tensors ]): the eager step, without what
+        # its failed attempts kept referenced in this process
+        eager = recipe.model_copy(update={"compile": recipe.compile.model_copy(update={"enabled": False})})
+        trace = _simulate_step(eager, run, blocks, stop_at_update, balanced_routing)
+        trace.notes.append(EAGER_FALLBACK_NOTE)
+        return trace
     trace.host_peak = tracker.host_peak_bytes
+    trace.notes += compiled_blocks_notes(recipe.compile, compiled)
     if offload is not None:
         trace.notes.append(describe_offload(offload, tracker.host_peak_bytes))
     if isinstance(attention, CudaAttention):
-        trace.attention_kernels = {k: v for k, v in attention.kernels.items() if v}
+        calls = {**mode.attention_kernels, "math": attention.math_calls}
+        trace.attention_kernels = {k: calls[k] for k in CUDA_ATTENTION_KERNELS if calls.get(k)}
     if mode.cpu_attention_calls:
         trace.notes.append(f"{mode.cpu_attention_calls} attention calls bypassed the CUDA kernel model (the model "
                            "calls SDPA under another name) and were simulated with the CPU kernel")
     trace.seconds = time.perf_counter() - start
     return trace
-
-
-def _eager_blocks(recipe: RecipeConfig) -> tuple[RecipeConfig, list[str]]:
-    """The recipe without ``compile`` (the compiler does not trace the simulation's fake tensors), and the note that
-    says so: eager blocks hold at least what compiled ones do, so the figure is an upper bound."""
-    if not recipe.compile.enabled:
-        return recipe, []
-    return recipe.model_copy(update={"compile": type(recipe.compile)()}), [
-        "compile: the blocks are simulated eager; compiled blocks usually hold less (fused element-wise ops save "
-        "fewer activations), so this figure is an upper bound"]
 
 
 class _StopBeforeUpdate(Exception):

@@ -14,9 +14,9 @@ ranks included, is the Trainer's.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import types
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,9 @@ from remat.memory import StepMemoryMeter
 from remat.planner import ActivationPlan
 from remat.adaptation.adapter import PlanAdapter
 from remat.planner.api import planner_for_model
-from remat.planner.planner import COMPILED_BLOCKS_NOTE
 from remat.planner.spelling import TRAINER
 from remat.recipes.build import compile_blocks, lora_section
+from remat.recipes.config import CompileConfig
 from remat.adaptation.trainer import FirstStepCheck, MicroBatchRetry, leaving_no_trace
 
 logger = logging.getLogger(__name__)
@@ -89,8 +89,6 @@ def prepare_trainer(trainer: Any, policy: Any = "selective", *, memory_budget: A
     applied = apply_activation_checkpointing(model, planned if planned is not None else policy)
     plan: CheckpointPlan | ActivationPlan = planned if planned is not None else applied
     compiled = _compile_blocks(trainer, model, applied.policy)
-    if compiled and isinstance(plan, ActivationPlan):  # planned eager, as a recipe that compiles is
-        plan = dataclasses.replace(plan, notes=(*plan.notes, COMPILED_BLOCKS_NOTE))
     _install(trainer, model, plan, adapter, log_memory=log_memory, compiled=compiled)
     return plan
 
@@ -135,6 +133,17 @@ def _compile_blocks(trainer: Any, model: nn.Module, policy: CheckpointPolicy) ->
     logger.warning("prepare_trainer: TrainingArguments.torch_compile: remat compiled each of the %d decoder blocks "
                    "after wrapping it (backend %s), and the Trainer does not compile the whole model", count, backend)
     return True
+
+
+def _compile_section(args: Any) -> dict[str, Any] | None:
+    """The recipe ``compile`` section of the blocks `_compile_blocks` compiles, for the planner (which simulates
+    them compiled: `remat.estimate.compiled`), or None without ``torch_compile`` or with a backend a recipe cannot
+    name (planned as eager blocks, which hold at least what compiled ones do)."""
+    backend = args.torch_compile_backend or "inductor"
+    if not getattr(args, "torch_compile", False) or backend not in typing.get_args(CompileConfig.model_fields[
+            "backend"].annotation):
+        return None
+    return {"enabled": True, "backend": backend, "mode": args.torch_compile_mode}
 
 
 def _refuse_unpreparable(trainer: Any, loss: str) -> None:
@@ -320,7 +329,7 @@ def _plan_for(trainer: Any, model: nn.Module, *, memory_budget: Any, loss: str, 
         grad_accumulation=args.gradient_accumulation_steps, **_parallel_step(trainer), **_loss_step(model, loss),
         optimizer="torch.optim.AdamW",
         optimizer_kwargs={"lr": args.learning_rate, "weight_decay": args.weight_decay, **optimizer},
-        clip_grad_norm=args.max_grad_norm or None)
+        clip_grad_norm=args.max_grad_norm or None, compile=_compile_section(args))
     plan = planner.plan(budget)
     return plan, PlanAdapter(lambda: planner, budget_bytes=budget, policy=plan.policy)
 

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 import warnings
 from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -47,12 +49,13 @@ from remat.checkpointing.apply import remove_activation_checkpointing
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
 from remat.estimate.attention import CudaAttention
+from remat.estimate.compiled import CompiledRegionTracker, SimulatedCompile, simulated_recompile_limit
 from remat.estimate.fake_model import build_fake_model
 from remat.estimate.run import SimulatedRun
 from remat.estimate.choices import Target
-from remat.estimate.simulate import make_batch, simulation_mode, with_routing_fallback
+from remat.estimate.simulate import make_batch, simulated_compile, simulation_mode, with_routing_fallback
 from remat.memory import LiveTensorTracker
-from remat.recipes.config import RecipeConfig
+from remat.recipes.config import CompileConfig, RecipeConfig
 
 #: The per-block modes the planner chooses among, from keeping everything to recomputing the whole block.
 CANDIDATE_MODES: tuple[Mode, ...] = ("none", "attention", "mlp", "selective", "full")
@@ -139,7 +142,7 @@ def quiet_checkpointing_log() -> Iterator[None]:
 
 def _measure_blocks(recipe: RecipeConfig, run: SimulatedRun, balanced_routing: bool) -> BlockMeasurements:
     start = time.perf_counter()
-    block_run = _BlockRun(run.target, _compute_dtype(recipe), balanced_routing)
+    block_run = _BlockRun(run.target, _compute_dtype(recipe), balanced_routing, recipe.compile)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     net = build_fake_model(recipe, fake, vocab_size=run.vocab_size)
     if recipe.distributed.policy.block_pattern is not None:
@@ -203,11 +206,17 @@ def _measure_kind(net: nn.Module, block: Block, call: tuple[tuple[Any, ...], dic
 @dataclass(frozen=True)
 class _BlockRun:
     """How a block runs while it is measured: as in the simulated step (`remat.estimate.simulate.simulation_mode`,
-    with the same expert-routing fallback), with the step's attention kernel and compute dtype."""
+    with the same expert-routing fallback), with the step's attention kernel and compute dtype, and compiled as the
+    recipe's ``compile`` section compiles it (`remat.estimate.compiled`)."""
 
     target: Target
     compute_dtype: torch.dtype | None
     balanced_routing: bool
+    compile: CompileConfig = field(default_factory=CompileConfig)
+
+    def compiled(self) -> SimulatedCompile | None:
+        """A fresh simulated compile backend for one measurement, or None for eager blocks."""
+        return simulated_compile(self.compile)
 
     def __call__(self, fake: FakeTensorMode) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -223,19 +232,50 @@ class _BlockRun:
 def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], fake: FakeTensorMode,
                block_run: _BlockRun) -> tuple[int, OpCounts, int]:
     args, kwargs = call
+    compiled = block_run.compiled()
     with block_run(fake):
         hidden, args, kwargs = _fresh_hidden(args, kwargs)
-        with LiveTensorTracker() as tracker, count_ops() as counter:
-            result = module(*args, **kwargs)
-            output = result if isinstance(result, torch.Tensor) else next(
-                t for t in result if isinstance(t, torch.Tensor))
-            kept = tracker.current_bytes - output.untyped_storage().nbytes()
-            tracker.reset_peak()
-            if output.requires_grad:  # NOTE [ Blocks that compute without autograd ]
-                output.backward(torch.ones_like(output))
-            backward_peak = tracker.peak_bytes - kept
-            del result, output, hidden
-    return kept, counter.counts(), backward_peak
+        if compiled is None:
+            with LiveTensorTracker() as tracker, count_ops() as counter:
+                kept, backward_peak = _forward_backward(module, args, kwargs, tracker)
+                del hidden
+            return kept, counter.counts(), backward_peak
+        # counted inside each graph run: a counting mode around the call would make dynamo run the block eagerly
+        graph_counts = _GraphCounts()
+        compiled.around_graph = graph_counts.count
+        forward = torch.compile(module.forward, backend=compiled, fullgraph=block_run.compile.fullgraph,
+                                dynamic=block_run.compile.dynamic)
+        with simulated_recompile_limit(), CompiledRegionTracker() as tracker:
+            kept, backward_peak = _forward_backward(forward, args, kwargs, tracker)
+            del hidden
+        if compiled.runs == 0:  # dynamo ran the block eagerly (as the run will): count it as such
+            return _run_block(module, call, fake, dataclasses.replace(block_run, compile=CompileConfig()))
+    return kept, graph_counts.total, backward_peak
+
+
+def _forward_backward(forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      tracker: LiveTensorTracker) -> tuple[int, int]:
+    """(bytes kept from the forward for backward, the most the backward holds above them) of one block call."""
+    result = forward(*args, **kwargs)
+    output = result if isinstance(result, torch.Tensor) else next(t for t in result if isinstance(t, torch.Tensor))
+    kept = tracker.current_bytes - output.untyped_storage().nbytes()
+    tracker.reset_peak()
+    if output.requires_grad:  # NOTE [ Blocks that compute without autograd ]
+        output.backward(torch.ones_like(output))
+    return kept, tracker.peak_bytes - kept
+
+
+class _GraphCounts:
+    """The op counts of every graph a simulated compiled block runs (forward, backward), summed."""
+
+    def __init__(self) -> None:
+        self.total = OpCounts(0)
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator[None]:
+        with count_ops() as counter:
+            yield
+        self.total = self.total + counter.counts()
 
 
 # NOTE [ Blocks that compute without autograd ]
@@ -328,6 +368,10 @@ class OpCounts:
         """A rank's part under context (``share``) and tensor parallelism (``flops_share``): see the module NOTE."""
         return OpCounts(self.flops // flops_share, self.attention_flops // flops_share, self.memory_bytes // share)
 
+    def __add__(self, other: OpCounts) -> OpCounts:
+        return OpCounts(self.flops + other.flops, self.attention_flops + other.attention_flops,
+                        self.memory_bytes + other.memory_bytes)
+
     def beyond(self, base: OpCounts) -> OpCounts:
         """What this counts beyond ``base`` (never negative): a mode's recompute against ``none``."""
         return OpCounts(max(0, self.flops - base.flops), max(0, self.attention_flops - base.attention_flops),
@@ -341,11 +385,15 @@ class OpCounts:
 class _OpClassCounter(TorchDispatchMode):
     """Bytes written by ops outside torch's FLOP formulas (memory-bound ops), views and compute ops left out."""
 
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.memory_bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if not (func.is_view or func in FLOP_FORMULAS or func._overloadpacket in flop_registry):
             for tensor in out if isinstance(out, (tuple, list)) else (out,):

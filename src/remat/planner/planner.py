@@ -73,12 +73,6 @@ UNIFORM: Final[tuple[tuple[str, Mode, int], ...]] = (
 )
 """The uniform policies a plan is compared with: (label, mode, every N blocks)."""
 
-COMPILED_BLOCKS_NOTE: Final[str] = (
-    "compile: the blocks are planned as eager blocks, which hold at least what compiled ones do (on an H200, mlp with "
-    "compiled blocks held 15.91 GiB where eager mlp held 19.59): the plan fits, with more recompute than the compiled "
-    "step needs")
-"""What a plan of a recipe that compiles its blocks says (the estimate simulates eager blocks)."""
-
 _RELAX_FRACTION: Final[float] = 0.02  # a fitting plan with more slack than this share of the budget tries cheaper
 
 
@@ -375,8 +369,8 @@ class Planner:
             notes.append(moe_note)
         if self.accumulation > 1:
             notes.append(f"FLOPs are per optimizer step ({self.accumulation} micro-batches); bytes per micro-batch")
-        if self.recipe.compile.enabled:
-            notes.append(COMPILED_BLOCKS_NOTE)
+        # compiled blocks: simulated as compiled, or as eager where dynamo runs them so (remat.estimate.compiled)
+        notes += [note for note in self.estimate(best.policy).notes if note.startswith("compile:")]
         assert self.flops_per_second is not None
         return ActivationPlan(
             policy=best.policy, budget_bytes=budget_bytes, peak_bytes=best.peak_bytes,

@@ -69,19 +69,26 @@ def build_recipe_model(cfg: RecipeConfig, *, vocab_size: int | None, device: str
     return apply_lora(model, cfg.peft) if cfg.peft is not None else model
 
 
-def build_training_module(model: nn.Module, cfg: RecipeConfig, setup: DistributedSetup) -> CausalLMLoss:
+BlockCompiler = Callable[[nn.Module, CheckpointPolicy], None]
+"""What compiles a model's blocks once checkpointing wrapped them (`DistributedSetup.parallelize`'s
+``after_checkpointing``)."""
+
+
+def build_training_module(model: nn.Module, cfg: RecipeConfig, setup: DistributedSetup, *,
+                          block_compiler: BlockCompiler | None = None) -> CausalLMLoss:
     """The loss module around ``model``, then ``setup.parallelize`` (checkpointing, TP, FSDP2 / DDP); returns the
     module the training step calls. The loss module is the root the wrappers wrap, so the loss (fused: with the
-    output head's whole weight) runs inside the wrapper's forward."""
+    output head's whole weight) runs inside the wrapper's forward. With the recipe's ``compile`` on, the blocks are
+    compiled by `compile_blocks`, or by ``block_compiler`` when given (the estimate's simulated compile)."""
     loss_fn = build_loss(cfg)
     compute = CausalLMLoss(model, loss_fn, use_hidden_states=loss_input(loss_fn) == "hidden_states",
                            context=setup.context)
-    compile_blocks = _block_compiler(cfg.compile) if cfg.compile.enabled else None
+    compile_blocks = (block_compiler or _block_compiler(cfg.compile)) if cfg.compile.enabled else None
     root = setup.parallelize(model, root=compute, after_checkpointing=compile_blocks)
     return root  # type: ignore[return-value]
 
 
-def _block_compiler(settings: CompileConfig) -> Callable[[nn.Module, CheckpointPolicy], None]:
+def _block_compiler(settings: CompileConfig) -> BlockCompiler:
     """`compile_blocks` with the recipe's ``compile`` settings, as `DistributedSetup.parallelize` calls it."""
 
     def compile_each(model: nn.Module, policy: CheckpointPolicy) -> None:

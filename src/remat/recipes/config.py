@@ -164,7 +164,8 @@ COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", 
 class CompileConfig(StrictModel):
     """``compile``: ``torch.compile`` of each decoder block after activation checkpointing wraps it (and before
     FSDP2 / DDP wrap the model), as TorchTitan compiles per block: ``backend``, ``mode``, ``fullgraph`` and
-    ``dynamic`` are ``torch.compile``'s. Off by default. The estimate and the planner model the eager blocks."""
+    ``dynamic`` are ``torch.compile``'s. Off by default. The estimate and the planner simulate the compiled blocks
+    (`remat.estimate.compiled`)."""
 
     enabled: bool = False
     backend: Literal["inductor", "aot_eager", "eager", "cudagraphs"] = "inductor"
