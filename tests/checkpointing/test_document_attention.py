@@ -280,3 +280,32 @@ def test_per_document_sdpa_calls_on_cuda_leave_cudnn_attention_out_and_keep_the_
         for enable, on in zip((cuda.enable_cudnn_sdp, cuda.enable_flash_sdp, cuda.enable_mem_efficient_sdp,
                                cuda.enable_math_sdp), before, strict=True):
             enable(on)
+
+
+def test_compiled_checkpointed_blocks_trace_whole_on_rows_of_one_document_and_stay_exact_on_packed_rows() -> None:
+    """NOTE [ Document attention under torch.compile ]: rows of one document each need no boundaries, so a compiled
+    block with its checkpoint is one graph (no break, which inside the checkpoint would make the block run
+    eagerly); a packed batch afterwards recompiles, breaks the graph as before, and keeps the eager gradients."""
+    from remat.checkpointing import CheckpointPolicy
+    from remat.recipes.build import compile_blocks
+
+    torch._dynamo.reset()
+    graphs: list[str] = []
+
+    def backend(graph: torch.fx.GraphModule, _inputs: Any) -> Any:
+        graphs.append(str(graph.graph))
+        return graph.forward
+
+    ids = batch()
+    reference = _document_model("llama")
+    _, expected = _step(reference, ids, position_ids=PACKED.clone())
+    model = _document_model("llama")
+    apply_activation_checkpointing(model, CheckpointPolicy(mode="full"))
+    compile_blocks(model, CheckpointPolicy(mode="full"), backend=backend)
+    torch._dynamo.utils.counters.clear()
+    _step(model, ids, position_ids=torch.arange(SEQ).expand(BATCH, -1))
+    assert len(graphs) == 1 and "checkpoint" in graphs[0]  # one graph for every block, the checkpoint in it
+    assert not torch._dynamo.utils.counters["graph_break"]
+    _, grads = _step(model, ids, position_ids=PACKED.clone())
+    assert_same_grads(expected, grads)
+    torch._dynamo.reset()

@@ -28,9 +28,7 @@ SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "
 
 
 def _recipe(compile_: dict[str, Any] | None = None, **sections: Any) -> Any:
-    # document attention reads packed rows' boundaries with a graph break dynamo cannot compile around
-    # (docs/models.md): these blocks compile whole, as an unpacked model's do
-    model = {**TINY_LLAMA_PRESET, "config": SHAPE, "document_attention": False}
+    model = {**TINY_LLAMA_PRESET, "config": SHAPE}  # document attention on, rows of one document each
     return validate_recipe(tiny_recipe(model=model, dataset={"seq_length": 64},
                                        compile=compile_ or {"enabled": False}, **sections))
 
@@ -121,14 +119,15 @@ def test_a_recipe_that_compiles_its_blocks_is_planned_with_less_recompute() -> N
 
 
 def test_blocks_dynamo_runs_eagerly_are_simulated_eager_and_said_so() -> None:
-    """Packed rows with document attention break the graph inside the checkpointed region, where dynamo cannot
-    resume (docs/models.md): under ``full`` the run's blocks then run eagerly, and so do the simulation's."""
+    """Packed rows of several documents with document attention break the graph inside the checkpointed region,
+    where dynamo cannot resume (docs/models.md): under ``full`` the run's blocks then run eagerly, and so do the
+    simulation's."""
     packed = {**TINY_LLAMA_PRESET, "config": SHAPE}
 
     def estimate(compile_: dict[str, Any]) -> Any:
         recipe, run = recipe_step(validate_recipe(tiny_recipe(
             model=packed, dataset={"seq_length": 64}, compile=compile_,
-            distributed={"activation_checkpointing": "full"})), target="cpu")
+            distributed={"activation_checkpointing": "full"})), target="cpu", documents_per_row=4)
         return estimate_of_trace(simulate_step(recipe, run), report_settings(recipe, run), model="tiny")
 
     compiled, eager = estimate({"enabled": True}), estimate({"enabled": False})

@@ -104,8 +104,16 @@ class _DocumentCache:
 
     def __init__(self) -> None:
         self._entries: list[tuple[weakref.ref[torch.Tensor], int, Documents | None]] = []
+        self.one_per_row = False
+        """The last ``position_ids`` read hold one document per row (NOTE [ Document attention under
+        torch.compile ])."""
 
     def documents(self, position_ids: torch.Tensor) -> Documents | None:
+        documents = self._documents(position_ids)
+        self.one_per_row = documents is None or all(len(row) == 2 for row in documents.rows)
+        return documents
+
+    def _documents(self, position_ids: torch.Tensor) -> Documents | None:
         version = position_ids._version
         for ref, cached_version, documents in self._entries:
             if ref() is position_ids and cached_version == version:
@@ -122,6 +130,8 @@ _CACHE = _DocumentCache()
 def documents_of(position_ids: Any, batch: int, length: int) -> Documents | None:
     """The documents of a ``[batch, length]`` attention call, or None when each row is one document (no or fake
     ``position_ids``, or no restart in them)."""
+    if torch.compiler.is_compiling() and _CACHE.one_per_row:  # NOTE [ Document attention under torch.compile ]
+        return None
     if not isinstance(position_ids, torch.Tensor) or is_fake(position_ids) or position_ids.device.type == "meta":
         return None
     if position_ids.ndim != 2 or position_ids.shape[1] != length or position_ids.shape[0] not in (1, batch):
@@ -143,6 +153,17 @@ def documents_of(position_ids: Any, batch: int, length: int) -> Documents | None
 # forward and the recompute of every layer make the same ops (none) for the boundaries.
 
 
+# NOTE [ Document attention under torch.compile ]
+# The boundaries are host data read from the values of ``position_ids``, which dynamo cannot trace: an attention call
+# that looks them up breaks the graph, and inside a checkpointed region, where dynamo cannot resume after a break, the
+# whole block then runs eagerly (found by the estimate's simulated compile: `full` and `selective` with compiled
+# blocks ran eager blocks on the H200). Rows of one document each (what a batch without packing, or the benchmarks'
+# synthetic rows, holds) need no boundaries: the layer's pre-hook, which reads them before the layer runs, records
+# that (``_CACHE.one_per_row``), and a traced attention call takes the dense causal path without looking. Dynamo
+# guards the compiled graph on that flag, so a later batch of packed rows recompiles and breaks the graph as before.
+
+
+@torch.compiler.disable  # host data: dynamo would break its graph at every line (NOTE above)
 def read_documents_before_the_layer(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Forward pre-hook of a decoder layer: read the boundaries of its ``position_ids`` into the cache (see the NOTE
     above); the attention inside the layer then finds them there, in the forward and in the recompute alike."""
