@@ -76,12 +76,20 @@ def _saved_by_inductor(mode: str) -> int:
     return sum(saved.values())
 
 
+@pytest.fixture(scope="module")
+def kinds() -> dict[bool, Any]:
+    """The planner's measurement of the block, compiled (True) and eager (False)."""
+    out = {}
+    for compiled in (True, False):
+        recipe, run = recipe_step(_recipe({"enabled": compiled}), target="cpu")
+        out[compiled] = measure_blocks(recipe, run).kinds[0]
+    return out
+
+
 @pytest.mark.parametrize("mode", ["none", "mlp", "selective", "full"])
-def test_a_simulated_compiled_block_keeps_what_inductors_compiled_block_saves(mode: str) -> None:
-    recipe, run = recipe_step(_recipe({"enabled": True}), target="cpu")
-    measured = measure_blocks(recipe, run).kinds[0].cost(mode).kept_bytes  # type: ignore[arg-type]
-    eager_recipe, _ = recipe_step(_recipe(), target="cpu")
-    eager = measure_blocks(eager_recipe, run).kinds[0].cost(mode).kept_bytes  # type: ignore[arg-type]
+def test_a_simulated_compiled_block_keeps_what_inductors_compiled_block_saves(mode: str, kinds: dict[bool, Any]
+                                                                              ) -> None:
+    measured, eager = kinds[True].cost(mode).kept_bytes, kinds[False].cost(mode).kept_bytes
     assert measured == _saved_by_inductor(mode)
     if mode != "full":  # full keeps the block's input either way (and inductor's RNG state for the recompute)
         assert measured < eager
@@ -93,13 +101,10 @@ def _step(policy: str, compile_: dict[str, Any] | None = None, **sections: Any) 
     return estimate_of_trace(simulate_step(recipe, run, blocks=True), report_settings(recipe, run), model="tiny")
 
 
-def test_the_simulated_step_holds_what_the_planner_measured_per_block() -> None:
+def test_the_simulated_step_holds_what_the_planner_measured_per_block(kinds: dict[bool, Any]) -> None:
     """The activations the whole compiled step holds when its backward starts differ from the eager step's by the
     blocks' kept bytes as measured one block at a time, compiled and eager."""
-    recipe, run = recipe_step(_recipe({"enabled": True}), target="cpu")
-    eager_recipe, _ = recipe_step(_recipe(), target="cpu")
-    compiled_kept = measure_blocks(recipe, run).kinds[0].cost("none").kept_bytes
-    eager_kept = measure_blocks(eager_recipe, run).kinds[0].cost("none").kept_bytes
+    compiled_kept, eager_kept = kinds[True].cost("none").kept_bytes, kinds[False].cost("none").kept_bytes
     compiled, eager = _step("none", {"enabled": True}), _step("none")
     blocks = SHAPE["num_hidden_layers"]
     saved = eager.breakdown["activations"] - compiled.breakdown["activations"]

@@ -7,7 +7,9 @@ then that block alone runs forward and backward once per mode, wrapped by `apply
 as in training, inside a `LiveTensorTracker` (bytes) and torch's ``FlopCounterMode`` (FLOPs). Blocks of one kind
 (same class, parameter shapes, attention type and KV-sharing role) cost the same, so a 16-layer Llama measures one
 block. The bytes are those of the step the estimate simulates (same dtype, autocast and attention kernel: the CUDA
-kernel for ``target="cuda"``).
+kernel for ``target="cuda"``). A recipe that compiles its blocks has each mode's block compiled as the simulated step
+compiles it (`remat.estimate.compiled`): its bytes are what the backend's partition keeps, its FLOPs those of the
+partitioned graphs, counted as they run.
 
 NOTE [ block costs under context and tensor parallelism ]
 With ``cp_size`` N a rank runs each block on its ``1/N`` shard of the tokens, and inside attention on all tokens of
@@ -49,11 +51,12 @@ from remat.checkpointing.apply import remove_activation_checkpointing
 from remat.checkpointing.policy import Mode
 from remat.errors import ConfigError
 from remat.estimate.attention import CudaAttention
-from remat.estimate.compiled import CompiledRegionTracker, SimulatedCompile, simulated_recompile_limit
+from remat.estimate.compiled import (CompiledRegionTracker, SimulatedCompile, simulated_compile,
+                                     simulated_recompile_limit)
 from remat.estimate.fake_model import build_fake_model
 from remat.estimate.run import SimulatedRun
 from remat.estimate.choices import Target
-from remat.estimate.simulate import make_batch, simulated_compile, simulation_mode, with_routing_fallback
+from remat.estimate.simulate import make_batch, simulation_mode, with_routing_fallback
 from remat.memory import LiveTensorTracker
 from remat.recipes.config import CompileConfig, RecipeConfig
 
