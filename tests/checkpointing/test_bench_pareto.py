@@ -46,3 +46,19 @@ def test_check_on_cpu_fits_rates_plans_auto_and_records_a_failing_peer(
     markdown = next(tmp_path.glob("pareto_*.md")).read_text()
     assert "## At each budget" in markdown and markdown.count("| auto @ ") >= 2
     assert next(tmp_path.glob("pareto_*.png")).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_auto_rows_with_compiled_blocks_are_planned_on_simulated_compiled_blocks(
+        monkeypatch: pytest.MonkeyPatch, benchmark_script: Callable[[str], ModuleType]) -> None:
+    """The `auto, compiled blocks @ ...` rows (run on a GPU only: on the CPU the tracker's dispatch mode would run
+    the compiled blocks eagerly) are planned for compiled blocks and carry the compiled step into their rows."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    bench = benchmark_script("bench_pareto")
+    from remat.recipes.config import CompileConfig
+
+    args = bench.parse_args(["--check-on-cpu", "--batch", "2", "--seq", "64", "--budgets", "1GiB"])
+    compiled = CompileConfig(enabled=True)
+    specs, plans = bench.auto_specs(args, torch.device("cpu"), None, args.budgets, compiled)
+    assert [spec.label for spec in specs] == ["auto, compiled blocks @ 1.00 GiB"] and specs[0].compile == compiled
+    assert any(note.startswith("compile: the blocks are simulated compiled") for note in plans[specs[0].label].notes)
