@@ -95,9 +95,10 @@ def test_a_simulated_compiled_block_keeps_what_inductors_compiled_block_saves(mo
         assert measured < eager
 
 
-def _step(policy: str, compile_: dict[str, Any] | None = None, **sections: Any) -> Any:
-    recipe, run = recipe_step(_recipe(compile_, distributed={"activation_checkpointing": policy}, **sections),
-                              target="cpu")
+def _step(policy: str, compile_: dict[str, Any] | None = None, distributed_extra: dict[str, Any] | None = None,
+          **sections: Any) -> Any:
+    distributed = {"activation_checkpointing": policy, **(distributed_extra or {})}
+    recipe, run = recipe_step(_recipe(compile_, distributed=distributed, **sections), target="cpu")
     return estimate_of_trace(simulate_step(recipe, run, blocks=True), report_settings(recipe, run), model="tiny")
 
 
@@ -138,3 +139,30 @@ def test_blocks_dynamo_runs_eagerly_are_simulated_eager_and_said_so() -> None:
     compiled, eager = estimate({"enabled": True}), estimate({"enabled": False})
     assert compiled.peak_bytes == eager.peak_bytes
     assert EAGER_FALLBACK_NOTE in compiled.notes
+
+
+def test_compiled_blocks_are_simulated_under_fsdp2_too() -> None:
+    sharded = {"strategy": "fsdp2", "dp_size": 2}
+    compiled = _step("none", {"enabled": True}, distributed_extra=sharded)
+    eager = _step("none", distributed_extra=sharded)
+    assert compiled.peak_bytes < eager.peak_bytes
+    assert any(note.startswith("compile: the blocks are simulated compiled") for note in compiled.notes)
+
+
+def test_compiled_blocks_that_cannot_run_on_fake_tensors_are_simulated_eager_and_said_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """E.g. a tensor-parallel block under ``full`` on torch 2.13: AOTAutograd's runtime refuses the device mesh the
+    partitioned graph saves. The step is simulated again with eager blocks (an upper bound), in a note."""
+    from remat.estimate.compiled import SimulatedCompile
+
+    def failing(self: Any, graph: Any, _inputs: Any) -> Any:
+        def run(args: list[Any]) -> Any:
+            raise AssertionError("expected all tensors_saved_with_vc_check to be Tensors")
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    monkeypatch.setattr(SimulatedCompile, "_interpreted", failing)
+    compiled, eager = _step("full", {"enabled": True}), _step("full")
+    assert compiled.peak_bytes == eager.peak_bytes
+    assert any(note.startswith("compile: the compiled blocks could not run on the simulation's fake tensors "
+                               "(AssertionError: expected all") for note in compiled.notes)

@@ -147,6 +147,14 @@ EAGER_FALLBACK_NOTE: Final[str] = (
 """The note of a simulated step whose compiled blocks never ran compiled: simulated again as eager blocks."""
 
 
+def compile_failure_note(err: BaseException) -> str:
+    """The note of a simulated step whose compiled blocks failed on fake tensors (simulated again as eager blocks,
+    which hold at least what compiled ones do)."""
+    first = (str(err).splitlines() or [""])[0][:160]
+    return (f"compile: the compiled blocks could not run on the simulation's fake tensors ({type(err).__name__}: "
+            f"{first}): the figure is the eager blocks', an upper bound")
+
+
 class CompiledRegionTracker(LiveTensorTracker):
     """A `LiveTensorTracker` that lets ``torch.compile`` compile while it is active and sees the compiled graphs'
     ops as they run (NOTE [ Compiled blocks on fake tensors ]): only for graphs `SimulatedCompile` runs, whose ops

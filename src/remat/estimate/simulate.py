@@ -64,8 +64,9 @@ from remat.distributed.setup import device_mesh
 from remat.distributed.layout import world_layout
 from remat.errors import ConfigError
 from remat.estimate.choices import TARGETS, Target
-from remat.estimate.compiled import (EAGER_FALLBACK_NOTE, CompiledRegionTracker, compile_simulated_blocks,
-                                     compiled_blocks_notes, simulated_compile, simulated_recompile_limit)
+from remat.estimate.compiled import (EAGER_FALLBACK_NOTE, CompiledRegionTracker, SimulatedCompile,
+                                     compile_failure_note, compile_simulated_blocks, compiled_blocks_notes,
+                                     simulated_compile, simulated_recompile_limit)
 from remat.estimate.attention import (CPU_ATTENTION_OP, CUDA_ATTENTION_KERNELS, KERNEL_OPS, CudaAttention,
                                       backward_workspace)
 from remat.estimate.fake_model import build_fake_model
@@ -253,7 +254,8 @@ def _mask_positions(indices: list[Tensor | None]) -> list[Tensor | None]:
         else:
             positions.append(index)
     return positions
-_DATA_DEPENDENT: Final[tuple[type[Exception], ...]] = (DynamicOutputShapeException, DataDependentOutputException)
+DATA_DEPENDENT_ERRORS: Final[tuple[type[Exception], ...]] = (DynamicOutputShapeException, DataDependentOutputException)
+"""What fake tensors raise for an op whose output depends on values they do not have (`with_routing_fallback`)."""
 _ZEROS: Final[Any] = torch.ops.aten.zeros.default
 _REAL_MASK_ELEMENTS: Final[int] = 1 << 24  # integer buffers up to this size are made for real under balanced routing
 
@@ -332,11 +334,11 @@ def with_routing_fallback(recipe: RecipeConfig, simulate: Callable[[bool], _Resu
     # this path."""
     try:
         return simulate(False), False
-    except _DATA_DEPENDENT:
+    except DATA_DEPENDENT_ERRORS:
         pass
     try:
         return simulate(True), True
-    except _DATA_DEPENDENT as err:
+    except DATA_DEPENDENT_ERRORS as err:
         raise ConfigError(f"model: {recipe.model.describe()} runs {getattr(err, 'func', 'an op')} on values fake "
                           "tensors do not have, even with any expert routing balanced, so the estimate cannot simulate "
                           "it; allowed: models whose every op has fixed output shapes") from err
@@ -396,10 +398,33 @@ ROUTING_NOTE: Final[str] = (
 
 def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,
                    balanced_routing: bool) -> StepTrace:
+    """The step, with its blocks compiled as the recipe says; simulated again with eager blocks, said in a note,
+    when dynamo ran them eagerly or the compiled blocks could not run on fake tensors (NOTE [ Compiled blocks on
+    fake tensors ])."""
+    compiled = simulated_compile(recipe.compile)
+    try:
+        trace = _simulate_compiled_step(recipe, run, blocks, stop_at_update, balanced_routing, compiled)
+    except (*DATA_DEPENDENT_ERRORS, ConfigError, _StopBeforeUpdate):
+        raise
+    except Exception as err:
+        if compiled is None or compiled.graphs == 0:
+            raise
+        note = compile_failure_note(err)
+    else:
+        if compiled is None or compiled.runs > 0:
+            return trace
+        note = EAGER_FALLBACK_NOTE  # and leave out what its failed attempts kept referenced in this process
+    eager = recipe.model_copy(update={"compile": recipe.compile.model_copy(update={"enabled": False})})
+    trace = _simulate_compiled_step(eager, run, blocks, stop_at_update, balanced_routing, None)
+    trace.notes.append(note)
+    return trace
+
+
+def _simulate_compiled_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,
+                            balanced_routing: bool, compiled: SimulatedCompile | None) -> StepTrace:
     accumulation = check_simulable(recipe, run)
     if run.target == "cuda":
         recipe = with_cuda_loss_defaults(recipe)
-    compiled = simulated_compile(recipe.compile)
     trace = StepTrace(recipe, run)
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -460,7 +485,7 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
         except _StopBeforeUpdate:
             trace.partial = True
         except RuntimeError as err:
-            if isinstance(err, _DATA_DEPENDENT):
+            if isinstance(err, DATA_DEPENDENT_ERRORS):
                 raise
             if "Expected inputs of BF16 type" in str(err):  # torch._grouped_mm's CUDA shape function (MoE experts)
                 raise ConfigError(f"dtype: {recipe.model.dtype!r} cannot be simulated for {recipe.model.describe()} "
@@ -470,13 +495,6 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
         finally:
             for hook in hooks:
                 hook.remove()
-    if compiled is not None and compiled.runs == 0:
-        # dynamo ran every block eagerly (NOTE [ Compiled blocks on fake tensors ]): the eager step, without what
-        # its failed attempts kept referenced in this process
-        eager = recipe.model_copy(update={"compile": recipe.compile.model_copy(update={"enabled": False})})
-        trace = _simulate_step(eager, run, blocks, stop_at_update, balanced_routing)
-        trace.notes.append(EAGER_FALLBACK_NOTE)
-        return trace
     trace.host_peak = tracker.host_peak_bytes
     trace.notes += compiled_blocks_notes(recipe.compile, compiled)
     if offload is not None:

@@ -56,7 +56,7 @@ from remat.estimate.compiled import (CompiledRegionTracker, SimulatedCompile, si
 from remat.estimate.fake_model import build_fake_model
 from remat.estimate.run import SimulatedRun
 from remat.estimate.choices import Target
-from remat.estimate.simulate import make_batch, simulation_mode, with_routing_fallback
+from remat.estimate.simulate import DATA_DEPENDENT_ERRORS, make_batch, simulation_mode, with_routing_fallback
 from remat.memory import LiveTensorTracker
 from remat.recipes.config import CompileConfig, RecipeConfig
 
@@ -248,11 +248,18 @@ def _run_block(module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], 
         compiled.around_graph = graph_counts.count
         forward = torch.compile(module.forward, backend=compiled, fullgraph=block_run.compile.fullgraph,
                                 dynamic=block_run.compile.dynamic)
-        with simulated_recompile_limit(), CompiledRegionTracker() as tracker:
-            kept, backward_peak = _forward_backward(forward, args, kwargs, tracker)
-            del hidden
-        if compiled.runs == 0:  # dynamo ran the block eagerly (as the run will): count it as such
-            return _run_block(module, call, fake, dataclasses.replace(block_run, compile=CompileConfig()))
+        try:
+            with simulated_recompile_limit(), CompiledRegionTracker() as tracker:
+                kept, backward_peak = _forward_backward(forward, args, kwargs, tracker)
+                del hidden
+        except (*DATA_DEPENDENT_ERRORS, ConfigError):
+            raise
+        except Exception:
+            if compiled.graphs == 0:
+                raise
+            compiled.runs = 0  # it cannot run compiled on fake tensors: the step's simulation falls back too
+    if compiled.runs == 0:  # dynamo ran the block eagerly (as the run will): count it as such
+        return _run_block(module, call, fake, dataclasses.replace(block_run, compile=CompileConfig()))
     return kept, graph_counts.total, backward_peak
 
 
