@@ -157,3 +157,28 @@ def test_a_budget_that_is_no_size_stops_before_any_step(capsys: pytest.CaptureFi
     assert main(["profile", str(QUICKSTART), "--policies", "none,auto", "--budget", "20 bananas", *TINY]) == 2
     captured = capsys.readouterr()
     assert "error: --budget: " in captured.err and "profile [1/2]" not in captured.out
+
+
+@pytest.mark.slow
+def test_a_recipe_that_compiles_its_blocks_is_profiled_compiled_and_not_counted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """NOTE [ A counted step is never compiled ]: counting the first step would make dynamo run every later step's
+    blocks eagerly; a compiled recipe's steps are timed with their blocks compiled, and not counted."""
+    from torch._dynamo.utils import counters
+
+    from remat.cli import main
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = tmp_path / "profile.json"
+    compiled = ["--compile.enabled", "true", "--compile.backend", "aot_eager"]
+    assert main(["profile", str(QUICKSTART), "--policies", "none,full", "--steps", "2", "--json", str(out),
+                 "--workdir", str(tmp_path / "runs"), *TINY, *compiled]) == 0
+    assert "profile: compile: the steps are timed, not counted" in capsys.readouterr().out
+    assert counters["stats"]["unique_graphs"] >= 2  # each policy's blocks compiled
+    settings = json.loads(out.read_text())["settings"]
+    assert all(s["step_flops"] == 0 and s["median_step_s"] > 0 for s in settings)
+    torch._dynamo.reset()
+    assert main(["profile", str(QUICKSTART), "--policies", "none,full", "--write-calibration",
+                 str(tmp_path / "cal.json"), *TINY, *compiled]) == 2
+    assert "error: --write-calibration: the recipe compiles its blocks" in capsys.readouterr().err

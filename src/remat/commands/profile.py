@@ -80,6 +80,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         check_writable_dir(Path(args.workdir), "--workdir")
     data = load_recipe_data(args.recipe, overrides)
+    compiled = data.get("compile")
+    if args.write_calibration and isinstance(compiled, dict) and compiled.get("enabled") is True:
+        from remat.errors import ConfigError
+
+        raise ConfigError("--write-calibration: the recipe compiles its blocks (compile.enabled: true), whose steps "
+                          "cannot be counted (NOTE [ A counted step is never compiled ]); allowed: the recipe with "
+                          "--compile.enabled false, or no --write-calibration")
 
     from remat.planner.calibration import make_calibration, write_calibration
     from remat.planner.profile_run import profile_recipe

@@ -22,7 +22,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -64,6 +64,8 @@ def profile_recipe(data: Mapping[str, Any], settings: Sequence[Setting], *, reci
     probe = validate_recipe(base)
     target = default_target(probe.distributed.device)
     results = _plan_settings(settings, probe, target, warmup, steps)
+    if probe.compile.enabled:
+        echo(f"profile: {UNCOUNTED_COMPILED}")
     with _work_folder(workdir) as folder:
         for round_ in range(1, rounds + 1):
             for number, (setting, result) in enumerate(zip(settings, results, strict=True), 1):
@@ -119,7 +121,7 @@ def _run_setting(cfg: Any, result: SettingResult) -> None:
     run = FinetuneRecipe(cfg)
     try:
         run.setup()
-        meter = CountingMeter(run.memory_meter)
+        meter = CountingMeter(run.memory_meter, count=not cfg.compile.enabled)
         run.memory_meter = meter
         records = run.run().records
         result.step_times_s += [r.step_time_s for r in records]
@@ -144,16 +146,29 @@ def _run_setting(cfg: Any, result: SettingResult) -> None:
                                left / 2**30, result.label)
 
 
+UNCOUNTED_COMPILED: Final[str] = (
+    "compile: the steps are timed, not counted (a counting mode around a step makes dynamo run the compiled blocks "
+    "eagerly, then and in every later step), so no rates are fitted from them")
+"""What a profile of a recipe that compiles its blocks says (NOTE [ A counted step is never compiled ])."""
+
+
 class CountingMeter:
     """The recipe's `remat.memory.StepMemoryMeter`, with its first step also counted by op class
     (`remat.planner.measure.count_ops`: ``flops``, matmuls and attention, forward, backward and recompute;
-    ``memory_bytes``, what its memory-bound ops wrote)."""
+    ``memory_bytes``, what its memory-bound ops wrote) unless ``count`` is False.
 
-    def __init__(self, inner: Any) -> None:
+    # NOTE [ A counted step is never compiled ]
+    # Dynamo does not compile a frame while a dispatch mode that watches ops is active, and it marks that frame to
+    # run eagerly from then on: counting the first step of a recipe that compiles its blocks made every later step
+    # run eager blocks (measured on the CPU: no graph compiled after one counted call), so `remat profile` timed eager
+    # blocks under a compiled recipe's name. Such steps are not counted.
+    """
+
+    def __init__(self, inner: Any, *, count: bool = True) -> None:
         self._inner = inner
         self.flops = 0
         self.memory_bytes = 0
-        self._counted = False
+        self._counted = not count
 
     @property
     def source(self) -> str:
