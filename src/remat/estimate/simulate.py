@@ -385,7 +385,8 @@ def simulate_step(recipe: RecipeConfig, run: SimulatedRun, *, blocks: bool = Fal
     does not depend on the policy). Models whose expert routing depends on the data are simulated with balanced
     routing (`with_routing_fallback`), and the trace says so in a note."""
     trace, balanced = with_routing_fallback(
-        recipe, lambda balanced_routing: _simulate_step(recipe, run, blocks, stop_at_update, balanced_routing))
+        recipe, lambda balanced_routing: _simulate_eager_if_uncompiled(recipe, run, blocks, stop_at_update,
+                                                                       balanced_routing))
     if balanced:
         trace.notes.append(ROUTING_NOTE)
     return trace
@@ -396,14 +397,14 @@ ROUTING_NOTE: Final[str] = (
     "(a real router's imbalance adds to its busiest experts' activations)")
 
 
-def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,
-                   balanced_routing: bool) -> StepTrace:
+def _simulate_eager_if_uncompiled(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,
+                                  balanced_routing: bool) -> StepTrace:
     """The step, with its blocks compiled as the recipe says; simulated again with eager blocks, said in a note,
     when dynamo ran them eagerly or the compiled blocks could not run on fake tensors (NOTE [ Compiled blocks on
     fake tensors ])."""
     compiled = simulated_compile(recipe.compile)
     try:
-        trace = _simulate_compiled_step(recipe, run, blocks, stop_at_update, balanced_routing, compiled)
+        trace = _simulate_step(recipe, run, blocks, stop_at_update, balanced_routing, compiled)
     except (*DATA_DEPENDENT_ERRORS, ConfigError, _StopBeforeUpdate):
         raise
     except Exception as err:
@@ -415,13 +416,13 @@ def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_a
             return trace
         note = EAGER_FALLBACK_NOTE  # and leave out what its failed attempts kept referenced in this process
     eager = recipe.model_copy(update={"compile": recipe.compile.model_copy(update={"enabled": False})})
-    trace = _simulate_compiled_step(eager, run, blocks, stop_at_update, balanced_routing, None)
+    trace = _simulate_step(eager, run, blocks, stop_at_update, balanced_routing, None)
     trace.notes.append(note)
     return trace
 
 
-def _simulate_compiled_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,
-                            balanced_routing: bool, compiled: SimulatedCompile | None) -> StepTrace:
+def _simulate_step(recipe: RecipeConfig, run: SimulatedRun, blocks: bool, stop_at_update: bool,
+                   balanced_routing: bool, compiled: SimulatedCompile | None) -> StepTrace:
     accumulation = check_simulable(recipe, run)
     if run.target == "cuda":
         recipe = with_cuda_loss_defaults(recipe)
