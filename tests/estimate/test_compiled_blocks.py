@@ -33,11 +33,11 @@ def _recipe(compile_: dict[str, Any] | None = None, **sections: Any) -> Any:
                                        compile=compile_ or {"enabled": False}, **sections))
 
 
-def _saved_by_inductor(mode: str) -> int:
+def _saved_by_inductor(mode: str, **sections: Any) -> int:
     """Bytes block 0 of the recipe's real model, compiled by inductor as `compile_blocks` compiles it, saves for
     backward under ``mode``: every storage autograd's saved-tensor hooks see, less the parameters, the block's
     inputs and its output (the planner's `ModeCost.kept_bytes` counts the same)."""
-    recipe = _recipe()
+    recipe = _recipe(**sections)
     torch.manual_seed(0)
     model = build_recipe_model(recipe, vocab_size=None)
     apply_activation_checkpointing(model, CheckpointPolicy(mode=mode))
@@ -93,6 +93,18 @@ def test_a_simulated_compiled_block_keeps_what_inductors_compiled_block_saves(mo
     assert measured == _saved_by_inductor(mode)
     if mode != "full":  # full keeps the block's input either way (and inductor's RNG state for the recompute)
         assert measured < eager
+
+
+LORA: dict[str, Any] = {"method": "lora", "r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1,
+                        "target_modules": ["q_proj", "v_proj"]}
+"""LoRA with dropout: inductor's joint-graph passes replace its random ops (seeds made in inductor's fake mode)."""
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_a_compiled_lora_block_with_dropout_keeps_what_inductor_saves(mode: str) -> None:
+    recipe, run = recipe_step(_recipe({"enabled": True}, peft=LORA), target="cpu")
+    measured = measure_blocks(recipe, run).kinds[0].cost(mode).kept_bytes  # type: ignore[arg-type]
+    assert measured == _saved_by_inductor(mode, peft=LORA)
 
 
 def _step(policy: str, compile_: dict[str, Any] | None = None, distributed_extra: dict[str, Any] | None = None,

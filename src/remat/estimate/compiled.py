@@ -66,13 +66,19 @@ class SimulatedCompile:
         self.graphs += 1
         options: dict[str, Any] = {"fw_compiler": self._interpreted, "bw_compiler": self._interpreted,
                                    "keep_inference_input_mutations": True}
-        if self.backend == "inductor":
-            options.update(decompositions=_inductor_decompositions(), partition_fn=_inductor_partition())
-        elif self.backend == "aot_eager":
+        if self.backend == "aot_eager":
             from torch._functorch.partitioners import min_cut_rematerialization_partition
 
             options["partition_fn"] = min_cut_rematerialization_partition
-        return aot_autograd(**options)(graph, example_inputs)
+        if self.backend != "inductor":
+            return aot_autograd(**options)(graph, example_inputs)
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
+        options.update(decompositions=_inductor_decompositions(), partition_fn=_inductor_partition())
+        # inductor's joint-graph passes make tensors in the fake mode inductor sets around them (random ops' seeds)
+        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+            return aot_autograd(**options)(graph, example_inputs)
 
     def _interpreted(self, graph: torch.fx.GraphModule, _example_inputs: Any) -> Callable[[list[Any]], Any]:
         def run(args: list[Any]) -> Any:
